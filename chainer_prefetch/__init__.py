@@ -1,0 +1,6 @@
+"""chainer_prefetch: feed Chainer training from shared storage at local-disk speed."""
+from chainer_prefetch.errors import ExampleLoadError  # NOQA
+from chainer_prefetch.iterators import PrefetchMultiprocessIterator  # NOQA
+from chainer_prefetch.staging import resolve_dataset_files  # NOQA
+
+__version__ = '0.1.0'

@@ -1,0 +1,428 @@
+"""The three asynchronous stages behind PrefetchMultiprocessIterator.
+
+One *pipeline thread* owns the order and every batch in flight::
+
+    stage 1 (pipeline thread)   Chainer's iterator_statemachine: index lists,
+                                 at most ``n_copy_ahead`` batches ahead of the
+                                 consumer (bounded queue 1)
+    stage 2 (copy threads)      ExampleStager.stage(index) per example
+    stage 3 (worker processes)  load_example(...) per example, as soon as its
+                                 files are local, for the first
+                                 ``DECODE_WINDOW`` batches (bounded queue 2)
+    delivery                    the head batch, once complete, is unpacked
+                                 from shared memory into ``ready`` (at most
+                                 ``n_prefetch`` batches), which ``get`` pops.
+
+Events (a copy finished, an example loaded, the consumer took a batch, a
+reset, a stop) are signalled on one condition variable; the pipeline thread
+sleeps on it.  Every batch remembers whether a reset made it stale: results
+of stale batches are dropped, and their shared-memory buffer is reused only
+after the last worker that writes into it has finished.
+"""
+import collections
+import concurrent.futures
+import functools
+import multiprocessing
+import threading
+import time
+import warnings
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import shared_memory
+from typing import Optional
+
+from chainer.iterators import _statemachine
+from chainer.iterators.multiprocess_iterator import _measure, _unpack
+
+from chainer_prefetch.errors import ExampleLoadError
+from chainer_prefetch.iterators import _worker
+
+#: Batches whose examples stage 3 loads at the same time.  Two keep every
+#: worker busy across a batch boundary.
+DECODE_WINDOW = 2
+_RESPONSE_SECONDS = 0.05
+_STOP_SECONDS = 5.0
+
+
+class _Batch:
+    """A batch between stage 1 and delivery."""
+
+    def __init__(self, indices, state):
+        self.indices = indices
+        self.state = state
+        self.size = len(indices)
+        self.use_local = [False] * self.size
+        self.staged_positions = collections.deque()  # ready for stage 3
+        self.copy_futures = []
+        self.results = [None] * self.size
+        self.loaded = 0
+        self.outstanding = 0  # stage-3 tasks not finished yet
+        self.buffer: Optional[shared_memory.SharedMemory] = None
+        self.error: Optional[BaseException] = None
+        self.stale = False
+
+    @property
+    def complete(self):
+        return self.error is not None or self.loaded == self.size
+
+
+class EndOfData:
+    """Delivered when ``repeat=False`` and the epoch is over (StopIteration)."""
+
+    def __init__(self, state):
+        self.state = state
+
+
+class Failure:
+    """Delivered in place of a batch that failed; ``get`` raises ``error``."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class Pipeline:
+    """Runs the stages for one iterator; see the module docstring.
+
+    Args:
+        dataset: The user's dataset.
+        located_dataset: The view that reads local copies, or ``None``.
+        stager: An ``ExampleStager``, or ``None`` when nothing is staged.
+        state: The iterator state to start from.
+        batch_size, repeat, order_sampler: As in the iterator.
+        n_processes (int): Stage-3 worker processes.
+        n_copy_threads (int): Stage-2 threads.
+        n_copy_ahead (int): Batches stage 1/2 may run ahead of the consumer.
+        n_prefetch (int): Finished batches kept ready for the consumer.
+        shared_mem (int or None): Bytes per example in shared memory;
+            ``None`` measures the first batch.
+        maxtasksperchild (int or None): Examples a worker loads before it is
+            replaced.
+        stop_event (threading.Event): Set by :meth:`close`; the stager's
+            waits for other processes' copies watch it.
+    """
+
+    def __init__(self, dataset, located_dataset, stager, state, batch_size,
+                 repeat, order_sampler, n_processes, n_copy_threads,
+                 n_copy_ahead, n_prefetch, shared_mem, maxtasksperchild,
+                 stop_event):
+        self._dataset = dataset
+        self._dataset_length = len(dataset)
+        self._located_dataset = located_dataset
+        self._stager = stager
+        self._state = state
+        self._batch_size = batch_size
+        self._repeat = repeat
+        self._order_sampler = order_sampler
+        self._n_processes = n_processes
+        self._n_copy_threads = n_copy_threads
+        self._n_copy_ahead = n_copy_ahead
+        self._n_prefetch = n_prefetch
+        self._example_bytes = shared_mem
+        self._maxtasksperchild = maxtasksperchild
+
+        self._cond = threading.Condition()
+        self._in_flight = collections.deque()
+        self._ready = collections.deque()
+        self._free_buffers = []
+        self._all_buffers = []
+        self._exhausted = False
+        self._restart_state = None
+        self._generation = 0
+        self._stopping = False
+        self._stop_event = stop_event
+        self._thread = None
+        self._copy_pool = None
+        self._workers = None
+        self.examples_from_local = 0
+        self.examples_from_source = 0
+
+    # ---- life cycle -------------------------------------------------------
+
+    def start(self):
+        """Starts workers first (no thread exists to fork with), then threads."""
+        context = multiprocessing.get_context()
+        if (self._maxtasksperchild is not None
+                and context.get_start_method() == 'fork'):
+            # Python refuses to replace workers by fork; forkserver is safe.
+            context = multiprocessing.get_context('forkserver')
+        self._workers = concurrent.futures.ProcessPoolExecutor(
+            max_workers=self._n_processes, mp_context=context,
+            initializer=_worker.initialize_worker,
+            initargs=(self._dataset, self._located_dataset),
+            max_tasks_per_child=self._maxtasksperchild)
+        if self._maxtasksperchild is None:
+            # Fork every worker now, while this is the only thread.
+            self._workers.submit(_worker.report_pid).result()
+        if self._stager is not None:
+            self._copy_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=self._n_copy_threads,
+                thread_name_prefix='chainer_prefetch-copy')
+        self._allocate_buffers()
+        self._thread = threading.Thread(target=self._run,
+                                        name='chainer_prefetch-pipeline',
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self):
+        """Stops every thread and process and frees shared memory.  Idempotent."""
+        with self._cond:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._cond.notify_all()
+        self._stop_event.set()
+        if self._thread is not None:
+            self._thread.join(_STOP_SECONDS)
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=False, cancel_futures=True)
+            for thread in list(getattr(self._copy_pool, '_threads', ())):
+                thread.join(_STOP_SECONDS)
+        if self._workers is not None:
+            _stop_process_pool(self._workers)
+        for buffer in self._all_buffers:
+            buffer.close()
+            buffer.unlink()
+        self._all_buffers = []
+        self._free_buffers = []
+
+    # ---- consumer side ----------------------------------------------------
+
+    def get(self, dataset_timeout, timeout_warning):
+        """Waits for the next delivered item: ``(batch, state)``, EndOfData or Failure.
+
+        Args:
+            dataset_timeout (float or None): Warn after waiting this long.
+            timeout_warning (type): The warning class to issue.
+        """
+        started = time.perf_counter()
+        warned = False
+        with self._cond:
+            while not self._ready:
+                if not self._thread.is_alive():
+                    raise RuntimeError('the prefetch pipeline thread stopped')
+                self._cond.wait(_RESPONSE_SECONDS)
+                waited = time.perf_counter() - started
+                if (dataset_timeout is not None and not warned
+                        and waited > dataset_timeout):
+                    warned = True
+                    warnings.warn(
+                        'Stalled dataset is detected: no batch for {:.1f} s. '
+                        'Slow shared storage, a hung file system or a slow '
+                        'get_example are common causes.'.format(waited),
+                        timeout_warning)
+            item = self._ready[0]
+            if not isinstance(item, EndOfData):
+                self._ready.popleft()  # EndOfData repeats, as StopIteration does
+            self._cond.notify_all()
+            return item
+
+    def restart(self, state):
+        """Discards everything in flight and continues from ``state`` (reset/serialize)."""
+        with self._cond:
+            self._generation += 1
+            self._ready.clear()
+            self._restart_state = state
+            self._cond.notify_all()
+
+    # ---- the pipeline thread ---------------------------------------------
+
+    def _run(self):
+        try:
+            while self._step():
+                pass
+        except BaseException as error:  # a bug must reach next(), not hang it
+            with self._cond:
+                self._ready.append(Failure(error))
+                self._cond.notify_all()
+
+    def _step(self) -> bool:
+        with self._cond:
+            if self._stopping:
+                return False
+            if self._restart_state is not None:
+                self._discard_in_flight()
+            self._generate()
+            self._dispatch()
+            head = self._in_flight[0] if self._in_flight else None
+            deliverable = (head is not None and len(self._ready) < self._n_prefetch
+                           and (not isinstance(head, _Batch) or head.complete))
+            if not deliverable:
+                self._cond.wait(_RESPONSE_SECONDS)
+                return True
+            self._in_flight.popleft()
+            generation = self._generation
+        item = self._finish(head)  # unpacking copies: done outside the lock
+        with self._cond:
+            if isinstance(head, _Batch):
+                head.stale = True  # late results of a failed batch are dropped
+                self._release_buffer_if_idle(head)
+            if generation == self._generation:  # no reset meanwhile
+                self._ready.append(item)
+            self._cond.notify_all()
+        return True
+
+    def _discard_in_flight(self):
+        for batch in self._in_flight:
+            if isinstance(batch, _Batch):
+                batch.stale = True
+                for future in batch.copy_futures:
+                    future.cancel()
+                self._release_buffer_if_idle(batch)
+        self._in_flight.clear()
+        self._state = self._restart_state
+        self._restart_state = None
+        self._exhausted = False
+
+    def _generate(self):
+        """Stage 1: index lists up to ``n_copy_ahead`` batches ahead; starts stage 2."""
+        while not self._exhausted and len(self._in_flight) < self._n_copy_ahead:
+            try:
+                self._state, indices = _statemachine.iterator_statemachine(
+                    self._state, self._batch_size, self._repeat,
+                    self._order_sampler, self._dataset_length)
+            except Exception as error:
+                self._in_flight.append(Failure(error))
+                self._exhausted = True
+                return
+            if indices is None:
+                self._in_flight.append(EndOfData(self._state))
+                self._exhausted = True
+                return
+            batch = _Batch(indices, self._state)
+            self._in_flight.append(batch)
+            if self._stager is None or self._stager.disabled:
+                batch.staged_positions.extend(range(batch.size))
+                continue
+            for position, index in enumerate(indices):
+                future = self._copy_pool.submit(self._stager.stage, int(index))
+                batch.copy_futures.append(future)
+                future.add_done_callback(
+                    functools.partial(self._on_staged, batch, position))
+
+    def _on_staged(self, batch, position, future):
+        with self._cond:
+            if batch.stale:
+                return
+            batch.use_local[position] = (not future.cancelled()
+                                         and future.exception() is None
+                                         and future.result())
+            batch.staged_positions.append(position)
+            self._cond.notify_all()
+
+    def _dispatch(self):
+        """Stage 3: submit staged examples of the first DECODE_WINDOW batches."""
+        window = 0
+        for batch in self._in_flight:
+            if not isinstance(batch, _Batch) or window == DECODE_WINDOW:
+                return
+            window += 1
+            if batch.error is not None:
+                continue
+            if batch.buffer is None and self._free_buffers:
+                batch.buffer = self._free_buffers.pop()
+            while batch.staged_positions:
+                position = batch.staged_positions.popleft()
+                self._submit_load(batch, position)
+
+    def _submit_load(self, batch, position):
+        index = int(batch.indices[position])
+        use_local = batch.use_local[position]
+        if batch.buffer is None:
+            name = offset = limit = None
+        else:
+            name = batch.buffer.name
+            offset = position * self._example_bytes
+            limit = offset + self._example_bytes
+        try:
+            future = self._workers.submit(_worker.load_example, index,
+                                          use_local, name, offset, limit)
+        except (BrokenProcessPool, RuntimeError) as error:
+            batch.error = self._load_error(index, error)
+            return
+        batch.outstanding += 1
+        if use_local:
+            self.examples_from_local += 1
+        else:
+            self.examples_from_source += 1
+        future.add_done_callback(
+            functools.partial(self._on_loaded, batch, position, index))
+
+    def _on_loaded(self, batch, position, index, future):
+        with self._cond:
+            batch.outstanding -= 1
+            if batch.stale or future.cancelled():  # reset, or shutting down
+                self._release_buffer_if_idle(batch)
+                return
+            error = future.exception()
+            if error is not None:
+                if batch.error is None:
+                    batch.error = self._load_error(index, error)
+            else:
+                batch.results[position] = future.result()
+                batch.loaded += 1
+            self._cond.notify_all()
+
+    def _load_error(self, index, error):
+        if self._stager is not None:
+            files = ', '.join(self._stager.files(index)) or 'none'
+        else:
+            files = 'not known'
+        if isinstance(error, BrokenProcessPool):
+            cause = ('a stage-3 worker process died (killed, or out of '
+                     'memory?): {}'.format(error))
+        else:
+            cause = str(error)
+        return ExampleLoadError('example {} (files: {}) could not be loaded: '
+                                '{}'.format(index, files, cause))
+
+    def _finish(self, head):
+        """Turns a completed head into what ``get`` delivers."""
+        if not isinstance(head, _Batch):
+            return head
+        if head.error is not None:
+            return Failure(head.error)
+        if head.buffer is None:
+            examples = head.results
+        else:
+            memory = head.buffer.buf
+            examples = [_unpack(result, memory) for result in head.results]
+        head.results = None
+        if self._example_bytes is None:
+            self._example_bytes = max(map(_measure, examples))
+            with self._cond:
+                self._allocate_buffers()
+        return examples, head.state
+
+    # ---- shared memory ------------------------------------------------------
+
+    def _allocate_buffers(self):
+        if not self._example_bytes or self._all_buffers:
+            return
+        size = self._example_bytes * self._batch_size
+        for _ in range(DECODE_WINDOW + 1):
+            buffer = shared_memory.SharedMemory(create=True, size=size)
+            self._all_buffers.append(buffer)
+            self._free_buffers.append(buffer)
+
+    def _release_buffer_if_idle(self, batch):
+        if batch.buffer is not None and batch.outstanding == 0:
+            self._free_buffers.append(batch.buffer)
+            batch.buffer = None
+
+
+def _stop_process_pool(pool: concurrent.futures.ProcessPoolExecutor):
+    """Stops worker processes now, even ones stuck in a read.
+
+    ``ProcessPoolExecutor.shutdown`` waits for running tasks; a task blocked
+    on a hung file system would then block us too, so terminate first.
+    """
+    processes = list(getattr(pool, '_processes', {}).values())
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + _STOP_SECONDS
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join(1.0)

@@ -1,0 +1,89 @@
+"""Code that runs in the stage-3 worker processes.
+
+Each worker holds two views of the dataset: the original one (reads shared
+storage) and the located one (reads the local copies; see
+:mod:`chainer_prefetch.staging.dataset_files`).  The parent decides per
+example which one to use: the located view only once stage 2 has every file
+of that example in place, so a worker never opens a file still being written.
+
+Arrays travel back through shared memory when the parent gave a buffer, in
+the same packed format as :class:`chainer.iterators.MultiprocessIterator`.
+"""
+import os
+import signal
+import threading
+import time
+import traceback
+from multiprocessing import shared_memory
+
+from chainer.iterators.multiprocess_iterator import _pack
+
+from chainer_prefetch.errors import ExampleLoadError
+
+_PARENT_CHECK_SECONDS = 0.5
+
+_original_dataset = None
+_located_dataset = None
+_attached_buffers = {}
+
+
+def initialize_worker(original_dataset, located_dataset):
+    """Pool initializer: keeps the datasets and ties the worker's life to its parent.
+
+    Args:
+        original_dataset: The dataset as the user gave it.
+        located_dataset: The view reading local copies, or ``None``.
+    """
+    global _original_dataset, _located_dataset
+    # Ctrl-C goes to the whole process group; the parent owns shutdown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _original_dataset = original_dataset
+    _located_dataset = located_dataset
+    parent = os.getppid()
+    threading.Thread(target=_exit_when_orphaned, args=(parent,),
+                     name='exit-with-parent', daemon=True).start()
+
+
+def _exit_when_orphaned(parent_pid):
+    # A SIGKILLed parent cannot stop its workers; they notice and leave.
+    while os.getppid() == parent_pid:
+        time.sleep(_PARENT_CHECK_SECONDS)
+    os._exit(1)
+
+
+def load_example(index, use_local_copies, buffer_name, offset, limit):
+    """Loads one example, packing its arrays into shared memory if given.
+
+    Args:
+        index (int): Index into the dataset.
+        use_local_copies (bool): Read through the located view.
+        buffer_name (str or None): Name of the shared memory buffer of the
+            example's batch; ``None`` to return arrays by pickling.
+        offset (int): First byte of this example's region in the buffer.
+        limit (int): One past the last byte of the region.
+
+    Raises:
+        ExampleLoadError: the dataset raised; the message keeps its traceback.
+    """
+    dataset = _located_dataset if use_local_copies else _original_dataset
+    try:
+        example = dataset[index]
+    except Exception as error:
+        raise ExampleLoadError('{}: {}\n{}'.format(
+            type(error).__name__, error, traceback.format_exc())) from None
+    if buffer_name is not None:
+        example = _pack(example, _attach(buffer_name), offset, limit)
+    return example
+
+
+def _attach(name):
+    buffer = _attached_buffers.get(name)
+    if buffer is None:
+        buffer = shared_memory.SharedMemory(name=name)
+        _attached_buffers[name] = buffer
+    return buffer.buf
+
+
+def report_pid():
+    """Returns the worker's pid (lets the parent start every worker up front)."""
+    return os.getpid()

@@ -1,0 +1,291 @@
+"""Which files each example of a dataset reads, and a view that reads them elsewhere.
+
+Stage 2 of :class:`~chainer_prefetch.PrefetchMultiprocessIterator` copies the
+files an example needs before stage 3 loads it, and stage 3 then loads the
+example from the copies.  Both need to see through the dataset: this module
+walks the tree of Chainer dataset wrappers down to the datasets that name
+files, and builds a *located view* of the tree: the same datasets, the same
+transforms, the same indices, but every file path passed through a function
+``locate(source_path) -> path_to_read``.
+
+Datasets understood without any help:
+
+* :class:`chainer.datasets.LabeledImageDataset` and
+  :class:`chainer.datasets.ImageDataset` (they name the files),
+* :class:`chainer.datasets.SubDataset` (what ``split_dataset*`` and
+  ``chainermn.scatter_dataset`` return): index remapping,
+* :class:`chainer.datasets.ConcatenatedDataset`,
+  :class:`chainer.datasets.TupleDataset`, :class:`chainer.datasets.DictDataset`,
+* :class:`chainer.datasets.TransformDataset` and any other object (for example
+  a user's :class:`chainer.dataset.DatasetMixin` such as the chainermn ImageNet
+  example's ``PreprocessedDataset``) that keeps one or more of the datasets
+  above in its attributes and reads example ``i`` of them for its own example
+  ``i``.
+
+Custom datasets take part through a two-method protocol::
+
+    class MyDataset(chainer.dataset.DatasetMixin):
+        def example_files(self, i):
+            '''Paths of the files that ``self[i]`` reads.'''
+            return [self.paths[i]]
+
+        def with_file_locations(self, locate):
+            '''A copy of this dataset that reads ``locate(p)`` for every
+            path ``p`` that ``example_files`` names.'''
+            clone = copy.copy(self)
+            clone.paths = [locate(p) for p in self.paths]
+            return clone
+
+A dataset with no files anywhere in its tree resolves to ``None``: the
+iterator then needs no staging at all.
+"""
+import bisect
+import copy
+import os
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from chainer.dataset import DatasetMixin
+from chainer.datasets import (ConcatenatedDataset, DictDataset, ImageDataset,
+                              LabeledImageDataset, SubDataset, TupleDataset)
+
+Locate = Callable[[str], str]
+
+
+class DatasetFiles:
+    """The files of a dataset tree, example by example.
+
+    Obtain one with :func:`resolve_dataset_files`.
+    """
+
+    def files(self, index: int) -> Tuple[str, ...]:
+        """Paths (as the dataset opens them) of the files example ``index`` reads."""
+        raise NotImplementedError
+
+    def located(self, locate: Locate):
+        """The dataset tree, rebuilt to read ``locate(path)`` instead of ``path``.
+
+        Args:
+            locate: Maps a source path (one that :meth:`files` returns) to the
+                path the view reads instead.  Must be picklable when the
+                worker processes are started by ``forkserver`` or ``spawn``.
+        """
+        raise NotImplementedError
+
+
+def resolve_dataset_files(dataset) -> Optional[DatasetFiles]:
+    """Finds the files behind ``dataset``.
+
+    Args:
+        dataset: Any dataset; see the module docstring for what is understood.
+
+    Returns:
+        A :class:`DatasetFiles`, or ``None`` when the dataset reads no files
+        that this module can see.
+    """
+    return _resolve(dataset, set())
+
+
+def _resolve(dataset, visiting) -> Optional[DatasetFiles]:
+    if id(dataset) in visiting:
+        return None
+    visiting = visiting | {id(dataset)}
+    if callable(getattr(dataset, 'example_files', None)) and callable(
+            getattr(dataset, 'with_file_locations', None)):
+        return _ProtocolFiles(dataset)
+    if isinstance(dataset, LabeledImageDataset):
+        return _ListedFiles(dataset, '_pairs', lambda entry: entry[0],
+                            lambda entry, path: (path,) + tuple(entry[1:]))
+    if isinstance(dataset, ImageDataset):
+        return _ListedFiles(dataset, '_paths', lambda entry: entry,
+                            lambda entry, path: path)
+    if isinstance(dataset, SubDataset):
+        inner = _resolve(dataset._dataset, visiting)
+        return None if inner is None else _SubsetFiles(dataset, inner)
+    if isinstance(dataset, ConcatenatedDataset):
+        parts = [_resolve(part, visiting) for part in dataset._datasets]
+        if not any(parts):
+            return None
+        return _ConcatenatedFiles(dataset, parts)
+    if isinstance(dataset, (TupleDataset, DictDataset)):
+        members = _items(dataset._datasets)
+        resolved = {key: _resolve(member, visiting) for key, member in members}
+        resolved = {key: files for key, files in resolved.items() if files}
+        if not resolved:
+            return None
+        return _ZippedFiles(dataset, '_datasets', resolved)
+    return _resolve_attributes(dataset, visiting)
+
+
+def _items(members):
+    if isinstance(members, dict):
+        return list(members.items())
+    return list(enumerate(members))
+
+
+def _is_dataset(value) -> bool:
+    return isinstance(value, (DatasetMixin, TupleDataset, DictDataset)) or (
+        callable(getattr(value, 'example_files', None)))
+
+
+def _resolve_attributes(dataset, visiting) -> Optional[DatasetFiles]:
+    """A wrapper that keeps inner datasets as attributes and reads the same index."""
+    try:
+        attributes = vars(dataset)
+    except TypeError:
+        return None
+    resolved = {}
+    for name, value in attributes.items():
+        if _is_dataset(value):
+            files = _resolve(value, visiting)
+            if files is not None:
+                resolved[name] = files
+    if not resolved:
+        return None
+    return _WrapperFiles(dataset, resolved)
+
+
+class _ProtocolFiles(DatasetFiles):
+
+    def __init__(self, dataset):
+        self._dataset = dataset
+
+    def files(self, index):
+        return tuple(self._dataset.example_files(index))
+
+    def located(self, locate):
+        return self._dataset.with_file_locations(locate)
+
+
+class _ListedFiles(DatasetFiles):
+    """Chainer's image datasets: a list of entries naming a path under a root."""
+
+    def __init__(self, dataset, list_attribute: str, path_of, replace_path):
+        self._dataset = dataset
+        self._list_attribute = list_attribute
+        self._path_of = path_of
+        self._replace_path = replace_path
+
+    def files(self, index):
+        entries = getattr(self._dataset, self._list_attribute)
+        return (os.path.join(self._dataset._root, self._path_of(entries[index])),)
+
+    def located(self, locate):
+        view = copy.copy(self._dataset)
+        # os.path.join('', p) == p: the located entries carry whole paths.
+        view._root = ''
+        setattr(view, self._list_attribute, _LocatedEntries(
+            getattr(self._dataset, self._list_attribute), self._dataset._root,
+            self._path_of, self._replace_path, locate))
+        return view
+
+
+class _LocatedEntries:
+    """A read-only list of entries whose paths are mapped on access.
+
+    Mapping lazily keeps the view as small as the original, however many
+    examples the dataset has.
+    """
+
+    def __init__(self, entries: Sequence, root: str, path_of, replace_path,
+                 locate: Locate):
+        self._entries = entries
+        self._root = root
+        self._path_of = path_of
+        self._replace_path = replace_path
+        self._locate = locate
+
+    def __len__(self):
+        return len(self._entries)
+
+    def __getitem__(self, index):
+        entry = self._entries[index]
+        source = os.path.join(self._root, self._path_of(entry))
+        return self._replace_path(entry, self._locate(source))
+
+
+class _SubsetFiles(DatasetFiles):
+
+    def __init__(self, subset: SubDataset, inner: DatasetFiles):
+        self._subset = subset
+        self._inner = inner
+
+    def files(self, index):
+        subset = self._subset
+        if not 0 <= index < len(subset):
+            raise IndexError('dataset index out of range: {}'.format(index))
+        inner_index = subset._start + index
+        if subset._order is not None:
+            inner_index = subset._order[inner_index]
+        return self._inner.files(int(inner_index))
+
+    def located(self, locate):
+        view = copy.copy(self._subset)
+        view._dataset = self._inner.located(locate)
+        return view
+
+
+class _ConcatenatedFiles(DatasetFiles):
+
+    def __init__(self, dataset: ConcatenatedDataset,
+                 parts: List[Optional[DatasetFiles]]):
+        self._dataset = dataset
+        self._parts = parts
+        self._starts = []
+        start = 0
+        for part in dataset._datasets:
+            self._starts.append(start)
+            start += len(part)
+
+    def files(self, index):
+        which = bisect.bisect_right(self._starts, index) - 1
+        part = self._parts[which]
+        return () if part is None else part.files(index - self._starts[which])
+
+    def located(self, locate):
+        view = copy.copy(self._dataset)
+        view._datasets = tuple(
+            original if part is None else part.located(locate)
+            for original, part in zip(self._dataset._datasets, self._parts))
+        return view
+
+
+class _ZippedFiles(DatasetFiles):
+    """Datasets read at the same index side by side (TupleDataset, DictDataset)."""
+
+    def __init__(self, dataset, attribute: str, members: Dict):
+        self._dataset = dataset
+        self._attribute = attribute
+        self._members = members
+
+    def files(self, index):
+        found = []
+        for member in self._members.values():
+            found.extend(member.files(index))
+        return tuple(found)
+
+    def located(self, locate):
+        view = copy.copy(self._dataset)
+        originals = getattr(self._dataset, self._attribute)
+        if isinstance(originals, dict):
+            located = dict(originals)
+        else:
+            located = list(originals)
+        for key, member in self._members.items():
+            located[key] = member.located(locate)
+        if isinstance(originals, tuple):
+            located = tuple(located)
+        setattr(view, self._attribute, located)
+        return view
+
+
+class _WrapperFiles(_ZippedFiles):
+    """A wrapper (TransformDataset, a user's DatasetMixin) whose attributes are datasets."""
+
+    def __init__(self, dataset, members: Dict):
+        super().__init__(dataset, None, members)
+
+    def located(self, locate):
+        view = copy.copy(self._dataset)
+        for name, member in self._members.items():
+            setattr(view, name, member.located(locate))
+        return view

@@ -1,0 +1,349 @@
+#!/usr/bin/env python
+"""Data-parallel ImageNet training with ChainerMN and a prefetching iterator.
+
+Each MPI process (rank) trains a replica of the model on its own shard of
+the training set; gradients are averaged with ChainerMN after every
+iteration.  Images are read through ``chainer_prefetch.
+PrefetchMultiprocessIterator`` (the default, ``--iterator prefetch``), which
+copies the files a rank will need soon from slow shared storage (``--root``)
+to a node-local directory (``--local-dir``) with ``--copy-threads`` threads
+while the loader processes decode the ones already copied.  ``--iterator
+multiprocess`` uses Chainer's own ``MultiprocessIterator`` instead, for
+comparison.
+
+Usage (K processes, e.g. one per GPU; the lists are ``<path> <label>`` lines
+as read by ``chainer.datasets.LabeledImageDataset``)::
+
+    mpiexec -n K python train_imagenet.py train.txt val.txt \\
+        --root /shared/imagenet --mean mean.npy --arch resnet50 \\
+        --batchsize 32 --epoch 90 --loaderjob 4 \\
+        --local-dir /local/ssd/$USER/prefetch --copy-threads 8 --gpu
+
+    # CPU smoke test, 2 processes on one machine:
+    mpiexec --oversubscribe -n 2 python train_imagenet.py train.txt val.txt \\
+        --root data --arch tiny --crop-size 32 --batchsize 8 --epoch 3
+
+    # resume from the snapshot written at the end of epoch 2:
+    mpiexec -n K python train_imagenet.py ... --resume result/snapshot_epoch_2
+
+Notes:
+
+* Only rank 0 reads the image lists; ``chainermn.scatter_dataset`` sends each
+  rank its shard (``--seed`` fixes the shuffle, so a resumed run gets the
+  same shards).
+* The learning rate follows the linear scaling rule: ``--lr`` is the rate
+  for a global batch of 256 and is multiplied by
+  ``batchsize * n_processes / 256``.
+* ``--mean`` is optional.  A mean image of shape ``(3, H, W)`` (e.g. the
+  ``(3, 256, 256)`` file of Chainer's example) is cropped together with the
+  image when both have the same size, and centre-cropped to ``--crop-size``
+  otherwise; without it, 128 is subtracted.  Pixel values are then scaled
+  by 1/255.
+* Without ``--gpu`` the model runs on the CPU and the communicator defaults
+  to ``naive`` (the only CPU-capable one in ChainerMN 7.8.1; ``flat`` needs
+  CuPy).  With ``--gpu`` each rank uses GPU ``intra_rank`` and the
+  communicator defaults to ``pure_nccl``; CuPy is imported only then.
+* ``--start-method`` (default ``forkserver``) selects how the iterators
+  start their worker processes.  With InfiniBand (verbs), calling ``fork()``
+  in a process that has already initialised MPI can crash the child or
+  silently corrupt memory registered with the network card (see the Open MPI
+  FAQ on fork and OpenFabrics).  With ``forkserver`` the script therefore
+  starts the fork server (by launching a dummy process) *before* MPI is
+  initialised by ``chainermn.create_communicator``, and every later worker
+  is forked from that clean, MPI-free server.  ``fork`` is faster to start
+  and fine on machines without InfiniBand (e.g. shared memory or TCP only).
+"""
+
+import argparse
+import multiprocessing
+import os
+import random
+import sys
+
+import numpy as np
+
+import chainer
+from chainer import training
+from chainer.training import extensions
+import chainermn
+
+# ``models`` lives next to this script; make it importable however the
+# script is started (the forkserver children import this file as well).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import ARCHS  # NOQA: E402
+
+
+CPU_COMMUNICATORS = ('naive',)
+"""ChainerMN 7.8.1 communicators that work without CuPy."""
+
+
+class PreprocessedDataset(chainer.dataset.DatasetMixin):
+    """Labelled images with cropping, flipping, mean subtraction and scaling.
+
+    ``self.base`` is the underlying ``LabeledImageDataset``; the prefetching
+    iterator uses it to find the files behind each example.
+    """
+
+    def __init__(self, path, root, mean, crop_size, random=True):
+        self.base = chainer.datasets.LabeledImageDataset(path, root)
+        if mean is None:
+            self.mean = None
+        else:
+            mean = np.asarray(mean, dtype=np.float32)
+            if mean.ndim == 1:  # per-channel mean
+                mean = mean[:, None, None]
+            self.mean = mean
+        self.crop_size = crop_size
+        self.random = random
+
+    def __len__(self):
+        return len(self.base)
+
+    def _mean_for(self, shape, top, left):
+        """The mean to subtract from the crop at (top, left) of an image."""
+        c = self.crop_size
+        mean = self.mean
+        if mean is None:
+            return np.float32(128)
+        if mean.shape[1:] == (1, 1):
+            return mean
+        if mean.shape[1:] == shape[1:]:
+            # Same size as the image: take the same window (as Chainer does).
+            return mean[:, top:top + c, left:left + c]
+        _, mh, mw = mean.shape
+        if mh < c or mw < c:
+            raise ValueError('mean image {} is smaller than the crop size {}'
+                             .format(mean.shape, c))
+        mt = (mh - c) // 2
+        ml = (mw - c) // 2
+        return mean[:, mt:mt + c, ml:ml + c]
+
+    def get_example(self, i):
+        image, label = self.base[i]
+        if image.shape[0] == 1:  # greyscale
+            image = np.repeat(image, 3, axis=0)
+        elif image.shape[0] == 4:  # RGBA
+            image = image[:3]
+        c = self.crop_size
+        _, h, w = image.shape
+        if h < c or w < c:
+            raise ValueError('image {} ({}x{}) is smaller than the crop size '
+                             '{}'.format(i, h, w, c))
+        if self.random:
+            top = random.randint(0, h - c)
+            left = random.randint(0, w - c)
+        else:
+            top = (h - c) // 2
+            left = (w - c) // 2
+        crop = image[:, top:top + c, left:left + c]
+        crop = crop - self._mean_for(image.shape, top, left)
+        if self.random and random.randint(0, 1):
+            crop = crop[:, :, ::-1]
+        crop *= np.float32(1.0 / 255.0)
+        return np.ascontiguousarray(crop, dtype=np.float32), label
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description='Data-parallel ImageNet training with ChainerMN and '
+                    'node-local prefetching',
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument('train', help='training image-label list file')
+    parser.add_argument('val', help='validation image-label list file')
+    parser.add_argument('--arch', '-a', choices=sorted(ARCHS),
+                        default='resnet50', help='network architecture')
+    parser.add_argument('--batchsize', '-B', type=int, default=32,
+                        help='minibatch size per process')
+    parser.add_argument('--val_batchsize', '--val-batchsize', '-b',
+                        dest='val_batchsize', type=int, default=250,
+                        help='validation minibatch size per process')
+    parser.add_argument('--epoch', '-E', type=int, default=10,
+                        help='number of epochs to train')
+    parser.add_argument('--lr', type=float, default=0.1,
+                        help='learning rate for a global batch of 256 '
+                             '(scaled linearly with the global batch)')
+    parser.add_argument('--momentum', type=float, default=0.9)
+    parser.add_argument('--weight-decay', type=float, default=1e-4)
+    parser.add_argument('--crop-size', type=int, default=224,
+                        help='side of the square crop fed to the network')
+    parser.add_argument('--n-class', type=int, default=None,
+                        help='number of classes (default: 1 + the largest '
+                             'label in the training list)')
+    parser.add_argument('--initmodel', help='initialise the model from an '
+                                            'npz file')
+    parser.add_argument('--loaderjob', '-j', type=int, default=None,
+                        help='data loading processes per iterator')
+    parser.add_argument('--mean', '-m', default=None,
+                        help='mean image (.npy); if absent, subtract 128')
+    parser.add_argument('--root', '-R', default='.',
+                        help='root directory of the image files')
+    parser.add_argument('--out', '-o', default='result',
+                        help='output directory')
+    parser.add_argument('--resume', '-r', default='',
+                        help='resume the trainer from this snapshot')
+    parser.add_argument('--seed', type=int, default=0,
+                        help='seed for shuffling the dataset before '
+                             'scattering it')
+    parser.add_argument('--gpu', '-g', action='store_true',
+                        help='use GPU intra_rank of each node (needs CuPy)')
+    parser.add_argument('--communicator', default=None,
+                        help='ChainerMN communicator: naive, flat, '
+                             'pure_nccl, ... (default: pure_nccl with --gpu, '
+                             'naive otherwise; only naive works without '
+                             '--gpu)')
+    parser.add_argument('--iterator', choices=('prefetch', 'multiprocess'),
+                        default='prefetch',
+                        help='chainer_prefetch.PrefetchMultiprocessIterator '
+                             'or chainer.iterators.MultiprocessIterator')
+    parser.add_argument('--local-dir', default=None,
+                        help='node-local staging directory of the prefetch '
+                             'iterator (shared by the ranks of a node)')
+    parser.add_argument('--copy-threads', type=int, default=4,
+                        help='copy threads of the prefetch iterator')
+    parser.add_argument('--start-method', choices=('fork', 'forkserver'),
+                        default='forkserver',
+                        help='multiprocessing start method (see the module '
+                             'docstring)')
+    parser.add_argument('--test', action='store_true',
+                        help='log and validate every 10 iterations')
+    parser.add_argument('--progress', action='store_true',
+                        help='show a progress bar on rank 0')
+    return parser.parse_args(argv)
+
+
+def set_start_method(method):
+    """Pick the start method and, for forkserver, start the server now.
+
+    Must run before MPI is initialised.  Setting the method alone does not
+    launch the fork server, so a dummy process is started and joined.
+    """
+    multiprocessing.set_start_method(method, force=True)
+    if method == 'forkserver':
+        p = multiprocessing.Process()
+        p.start()
+        p.join()
+
+
+def make_iterator(args, dataset, batch_size, train):
+    kwargs = dict(repeat=train, shuffle=train, n_processes=args.loaderjob)
+    if args.iterator == 'multiprocess':
+        return chainer.iterators.MultiprocessIterator(
+            dataset, batch_size, **kwargs)
+    import chainer_prefetch
+    # One directory for both iterators and all ranks of a node: copies are
+    # keyed by source path and guarded by file locks.
+    return chainer_prefetch.PrefetchMultiprocessIterator(
+        dataset, batch_size, local_dir=args.local_dir,
+        n_copy_threads=args.copy_threads, **kwargs)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.communicator is None:
+        args.communicator = 'pure_nccl' if args.gpu else 'naive'
+    if args.gpu:
+        try:
+            import cupy  # NOQA: F401
+        except ImportError:
+            sys.exit('--gpu needs CuPy, which is not installed')
+    elif args.communicator not in CPU_COMMUNICATORS:
+        # ChainerMN 7.8.1's flat (and other) communicators pack gradients
+        # into CuPy buffers and fail without a GPU.
+        sys.exit('communicator {!r} needs --gpu; on the CPU use one of {}'
+                 .format(args.communicator, ', '.join(CPU_COMMUNICATORS)))
+
+    # Before MPI initialisation (inside create_communicator); see docstring.
+    set_start_method(args.start_method)
+
+    comm = chainermn.create_communicator(args.communicator)
+    if args.gpu:
+        device = chainer.get_device('@cupy:{}'.format(comm.intra_rank))
+    else:
+        device = chainer.get_device('@numpy')
+    device.use()
+
+    # Only rank 0 reads the lists; the shards are scattered below.
+    mean = np.load(args.mean) if args.mean else None
+    if comm.rank == 0:
+        train = PreprocessedDataset(args.train, args.root, mean,
+                                    args.crop_size)
+        val = PreprocessedDataset(args.val, args.root, mean,
+                                  args.crop_size, random=False)
+        n_class = args.n_class
+        if n_class is None:
+            n_class = 1 + max(int(label) for _, label in train.base._pairs)
+    else:
+        train = val = n_class = None
+    n_class = comm.bcast_obj(n_class)
+
+    global_batch = args.batchsize * comm.size
+    lr = args.lr * global_batch / 256.0
+    if comm.rank == 0:
+        print('==========================================')
+        print('Processes: {}'.format(comm.size))
+        print('Communicator: {}'.format(args.communicator))
+        print('Device: {}'.format(device))
+        print('Arch: {}, classes: {}, crop: {}'.format(
+            args.arch, n_class, args.crop_size))
+        print('Minibatch: {} per process, {} global'.format(
+            args.batchsize, global_batch))
+        print('Learning rate: {} ({} for 256)'.format(lr, args.lr))
+        print('Epochs: {}'.format(args.epoch))
+        print('Iterator: {}, start method: {}'.format(
+            args.iterator, args.start_method))
+        print('Train examples: {}, val examples: {}'.format(
+            len(train), len(val)))
+        print('==========================================')
+        sys.stdout.flush()
+
+    train = chainermn.scatter_dataset(train, comm, shuffle=True,
+                                      seed=args.seed)
+    val = chainermn.scatter_dataset(val, comm)
+
+    model = chainer.links.Classifier(ARCHS[args.arch](n_class=n_class))
+    if args.initmodel:
+        chainer.serializers.load_npz(args.initmodel, model.predictor)
+    model.to_device(device)
+
+    train_iter = make_iterator(args, train, args.batchsize, True)
+    val_iter = make_iterator(args, val, args.val_batchsize, False)
+
+    optimizer = chainermn.create_multi_node_optimizer(
+        chainer.optimizers.MomentumSGD(lr=lr, momentum=args.momentum), comm)
+    optimizer.setup(model)
+    if args.weight_decay > 0:
+        optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
+            args.weight_decay))
+
+    updater = training.StandardUpdater(train_iter, optimizer, device=device)
+    trainer = training.Trainer(updater, (args.epoch, 'epoch'), args.out)
+
+    interval = (10, 'iteration') if args.test else (1, 'epoch')
+    evaluator = extensions.Evaluator(val_iter, model, device=device)
+    trainer.extend(chainermn.create_multi_node_evaluator(evaluator, comm),
+                   trigger=interval)
+
+    # Output extensions only on rank 0 (the model is the same on all ranks).
+    if comm.rank == 0:
+        trainer.extend(extensions.snapshot(
+            filename='snapshot_epoch_{.updater.epoch}'),
+            trigger=(1, 'epoch'))
+        trainer.extend(extensions.LogReport(trigger=interval))
+        trainer.extend(extensions.observe_lr(), trigger=interval)
+        trainer.extend(extensions.PrintReport([
+            'epoch', 'iteration', 'main/loss', 'validation/main/loss',
+            'main/accuracy', 'validation/main/accuracy', 'lr',
+            'elapsed_time']), trigger=interval)
+        if args.progress:
+            trainer.extend(extensions.ProgressBar(update_interval=10))
+
+    if args.resume:
+        # Every rank loads the snapshot written by rank 0.
+        chainer.serializers.load_npz(args.resume, trainer)
+
+    # Trainer.run finalizes the updater's and the evaluator's iterators.
+    trainer.run()
+
+
+if __name__ == '__main__':
+    main()

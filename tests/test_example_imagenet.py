@@ -1,0 +1,167 @@
+"""End-to-end runs of examples/imagenet/train_imagenet.py under MPI.
+
+Real runs, no mocks: a small labelled JPEG dataset is written into
+``tmp_path`` and the example trains on it with ``mpiexec -n 2`` on the CPU.
+The training tests use images whose class is their colour, so that the loss
+falls within three epochs whatever the random crops and initialisation.
+"""
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, 'examples', 'imagenet', 'train_imagenet.py')
+MAKE_DATASET = os.path.join(REPO, 'scripts', 'make_dataset.py')
+TIMEOUT = 300
+
+COLOURS = [(220, 40, 40), (40, 200, 40), (40, 60, 220), (230, 220, 40)]
+
+
+def _make_colour_dataset(root, n_train=48, n_val=16, size=40, seed=0):
+    """Write ``n_train``/``n_val`` noisy JPEGs per class of solid colour.
+
+    Returns the paths of ``train.txt`` and ``val.txt`` (lines ``path
+    label`` relative to ``root``).
+    """
+    rng = np.random.default_rng(seed)
+    lists = []
+    for split, n in (('train', n_train), ('val', n_val)):
+        lines = []
+        for label, colour in enumerate(COLOURS):
+            folder = os.path.join(root, split, 'c{}'.format(label))
+            os.makedirs(folder, exist_ok=True)
+            for i in range(n):
+                noise = rng.integers(-40, 41, (size, size, 3))
+                pixels = np.clip(np.array(colour) + noise, 0, 255)
+                rel = '{}/c{}/{:04d}.JPEG'.format(split, label, i)
+                Image.fromarray(pixels.astype(np.uint8)).save(
+                    os.path.join(root, rel), quality=90)
+                lines.append('{} {}\n'.format(rel, label))
+        path = os.path.join(root, split + '.txt')
+        with open(path, 'w') as f:
+            f.writelines(lines)
+        lists.append(path)
+    return lists
+
+
+def _load_make_dataset():
+    """scripts/make_dataset.py as a module, or None if it is absent."""
+    if not os.path.exists(MAKE_DATASET):
+        return None
+    spec = importlib.util.spec_from_file_location('make_dataset',
+                                                  MAKE_DATASET)
+    module = importlib.util.module_from_spec(spec)
+    # Registered so that its worker pool can pickle its functions.
+    sys.modules.setdefault('make_dataset', module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _mpiexec():
+    candidate = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+    if os.path.exists(candidate):
+        return candidate
+    found = shutil.which('mpiexec')
+    if found is None:
+        pytest.skip('mpiexec not found')
+    return found
+
+
+def _train(tmp_path, train_list, val_list, root, *options):
+    """Run the example under ``mpiexec -n 2``; return (log entries, output)."""
+    out = tmp_path / 'out'
+    cmd = [_mpiexec(), '--oversubscribe', '-n', '2', sys.executable, SCRIPT,
+           train_list, val_list, '--root', root, '--out', str(out),
+           '--arch', 'tiny', '--crop-size', '32', '--batchsize', '8',
+           '--val_batchsize', '16', '--loaderjob', '1'] + list(options)
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(
+        [REPO] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
+    if hasattr(os, 'geteuid') and os.geteuid() == 0:
+        env['OMPI_ALLOW_RUN_AS_ROOT'] = '1'
+        env['OMPI_ALLOW_RUN_AS_ROOT_CONFIRM'] = '1'
+    proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail('training timed out after {} s:\n{}'.format(
+            TIMEOUT, output.decode(errors='replace')[-5000:]))
+    output = output.decode(errors='replace')
+    assert proc.returncode == 0, output[-5000:]
+    with open(str(out / 'log')) as f:
+        return json.load(f), output
+
+
+def _check_learns(log, output, epochs=3):
+    assert [entry['epoch'] for entry in log] == list(range(1, epochs + 1)), \
+        output[-3000:]
+    for entry in log:
+        assert 'validation/main/accuracy' in entry, entry
+        assert 0.0 <= entry['validation/main/accuracy'] <= 1.0
+        assert 'elapsed_time' in entry
+    assert log[-1]['main/loss'] < log[0]['main/loss'], log
+    # Four classes: chance is 0.25; the colours are trivial to tell apart.
+    assert log[-1]['validation/main/accuracy'] > 0.5, log
+
+
+@pytest.mark.slow
+def test_train_prefetch_iterator(tmp_path):
+    data = tmp_path / 'data'
+    train_list, val_list = _make_colour_dataset(str(data))
+    log, output = _train(
+        tmp_path, train_list, val_list, str(data), '--epoch', '3',
+        '--iterator', 'prefetch', '--local-dir', str(tmp_path / 'local'),
+        '--copy-threads', '2')
+    _check_learns(log, output)
+    assert 'Iterator: prefetch' in output
+
+
+@pytest.mark.slow
+def test_train_multiprocess_iterator_fork(tmp_path):
+    data = tmp_path / 'data'
+    train_list, val_list = _make_colour_dataset(str(data))
+    log, output = _train(
+        tmp_path, train_list, val_list, str(data), '--epoch', '3',
+        '--iterator', 'multiprocess', '--start-method', 'fork')
+    _check_learns(log, output)
+    assert 'Iterator: multiprocess, start method: fork' in output
+
+
+@pytest.mark.slow
+def test_generated_dataset_with_mean_and_resume(tmp_path):
+    """ImageNet-like files of mixed sizes, a (3, 256, 256) mean, --resume.
+
+    The generated images' content does not depend on their label, so this
+    checks only that training runs, reports, snapshots and resumes.
+    """
+    make_dataset = _load_make_dataset()
+    if make_dataset is None:
+        pytest.skip('scripts/make_dataset.py not found')
+    data = tmp_path / 'data'
+    make_dataset.generate(str(data), 32, 4, 0, val_images=16,
+                          mean_size=20000, workers=1, progress=False)
+    assert np.load(str(data / 'mean.npy')).shape == (3, 256, 256)
+    args = (str(data / 'train.txt'), str(data / 'val.txt'), str(data),
+            '--mean', str(data / 'mean.npy'), '--iterator', 'prefetch',
+            '--local-dir', str(tmp_path / 'local'))
+    log, output = _train(tmp_path, *args, '--epoch', '1')
+    assert [entry['epoch'] for entry in log] == [1], output[-3000:]
+    snapshot = tmp_path / 'out' / 'snapshot_epoch_1'
+    assert snapshot.exists()
+    log, output = _train(tmp_path, *args, '--epoch', '2',
+                         '--resume', str(snapshot))
+    assert [entry['epoch'] for entry in log] == [1, 2], output[-3000:]
+    assert log[1]['iteration'] == 2 * log[0]['iteration']
+    assert 'validation/main/accuracy' in log[1]
