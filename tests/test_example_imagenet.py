@@ -126,6 +126,10 @@ def test_train_prefetch_iterator(tmp_path):
         '--copy-threads', '2')
     _check_learns(log, output)
     assert 'Iterator: prefetch' in output
+    # The images were staged: copies of at least every training image.
+    staged = [name for _, _, names in os.walk(str(tmp_path / 'local'))
+              for name in names if name.endswith('.JPEG')]
+    assert len(staged) >= 4 * 48, len(staged)
 
 
 @pytest.mark.slow
@@ -143,6 +147,9 @@ def test_train_multiprocess_iterator_fork(tmp_path):
 def test_generated_dataset_with_mean_and_resume(tmp_path):
     """ImageNet-like files of mixed sizes, a (3, 256, 256) mean, --resume.
 
+    Also the prefetch iterator with the ``fork`` start method (the first
+    test uses the default, ``forkserver``).
+
     The generated images' content does not depend on their label, so this
     checks only that training runs, reports, snapshots and resumes.
     """
@@ -155,7 +162,7 @@ def test_generated_dataset_with_mean_and_resume(tmp_path):
     assert np.load(str(data / 'mean.npy')).shape == (3, 256, 256)
     args = (str(data / 'train.txt'), str(data / 'val.txt'), str(data),
             '--mean', str(data / 'mean.npy'), '--iterator', 'prefetch',
-            '--local-dir', str(tmp_path / 'local'))
+            '--local-dir', str(tmp_path / 'local'), '--start-method', 'fork')
     log, output = _train(tmp_path, *args, '--epoch', '1')
     assert [entry['epoch'] for entry in log] == [1], output[-3000:]
     snapshot = tmp_path / 'out' / 'snapshot_epoch_1'

@@ -22,11 +22,9 @@ after the last worker that writes into it has finished.
 import collections
 import concurrent.futures
 import functools
-import multiprocessing
 import threading
 import time
 import warnings
-from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import shared_memory
 from typing import Optional
 
@@ -35,6 +33,7 @@ from chainer.iterators.multiprocess_iterator import _measure, _unpack
 
 from chainer_prefetch.errors import ExampleLoadError
 from chainer_prefetch.iterators import _worker
+from chainer_prefetch.iterators._worker_pool import WorkerDiedError, WorkerPool
 
 #: Batches whose examples stage 3 loads at the same time.  Two keep every
 #: worker busy across a batch boundary.
@@ -139,19 +138,10 @@ class Pipeline:
 
     def start(self):
         """Starts workers first (no thread exists to fork with), then threads."""
-        context = multiprocessing.get_context()
-        if (self._maxtasksperchild is not None
-                and context.get_start_method() == 'fork'):
-            # Python refuses to replace workers by fork; forkserver is safe.
-            context = multiprocessing.get_context('forkserver')
-        self._workers = concurrent.futures.ProcessPoolExecutor(
-            max_workers=self._n_processes, mp_context=context,
-            initializer=_worker.initialize_worker,
-            initargs=(self._dataset, self._located_dataset),
-            max_tasks_per_child=self._maxtasksperchild)
-        if self._maxtasksperchild is None:
-            # Fork every worker now, while this is the only thread.
-            self._workers.submit(_worker.report_pid).result()
+        # Workers fork now, while this is the only thread of the pipeline.
+        self._workers = WorkerPool(
+            self._n_processes, _worker.initialize_worker,
+            (self._dataset, self._located_dataset), self._maxtasksperchild)
         if self._stager is not None:
             self._copy_pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=self._n_copy_threads,
@@ -177,7 +167,7 @@ class Pipeline:
             for thread in list(getattr(self._copy_pool, '_threads', ())):
                 thread.join(_STOP_SECONDS)
         if self._workers is not None:
-            _stop_process_pool(self._workers)
+            self._workers.close()
         for buffer in self._all_buffers:
             buffer.close()
             buffer.unlink()
@@ -335,7 +325,7 @@ class Pipeline:
         try:
             future = self._workers.submit(_worker.load_example, index,
                                           use_local, name, offset, limit)
-        except (BrokenProcessPool, RuntimeError) as error:
+        except RuntimeError as error:  # closed while shutting down
             batch.error = self._load_error(index, error)
             return
         batch.outstanding += 1
@@ -366,7 +356,7 @@ class Pipeline:
             files = ', '.join(self._stager.files(index)) or 'none'
         else:
             files = 'not known'
-        if isinstance(error, BrokenProcessPool):
+        if isinstance(error, WorkerDiedError):
             cause = ('a stage-3 worker process died (killed, or out of '
                      'memory?): {}'.format(error))
         else:
@@ -407,22 +397,3 @@ class Pipeline:
         if batch.buffer is not None and batch.outstanding == 0:
             self._free_buffers.append(batch.buffer)
             batch.buffer = None
-
-
-def _stop_process_pool(pool: concurrent.futures.ProcessPoolExecutor):
-    """Stops worker processes now, even ones stuck in a read.
-
-    ``ProcessPoolExecutor.shutdown`` waits for running tasks; a task blocked
-    on a hung file system would then block us too, so terminate first.
-    """
-    processes = list(getattr(pool, '_processes', {}).values())
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    pool.shutdown(wait=False, cancel_futures=True)
-    deadline = time.monotonic() + _STOP_SECONDS
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.kill()
-            process.join(1.0)

@@ -9,12 +9,14 @@ of that example in place, so a worker never opens a file still being written.
 Arrays travel back through shared memory when the parent gave a buffer, in
 the same packed format as :class:`chainer.iterators.MultiprocessIterator`.
 """
+import mmap
 import os
 import signal
 import threading
 import time
 import traceback
-from multiprocessing import shared_memory
+
+import _posixshmem  # what multiprocessing.shared_memory opens segments with
 
 from chainer.iterators.multiprocess_iterator import _pack
 
@@ -77,13 +79,19 @@ def load_example(index, use_local_copies, buffer_name, offset, limit):
 
 
 def _attach(name):
+    """Maps the parent's shared memory segment ``name`` into this process.
+
+    ``SharedMemory(name=...)`` would register the segment with a resource
+    tracker of this worker (Python < 3.13), which unlinks it when the worker
+    exits: the parent's buffer would vanish under it.  The parent alone owns
+    the segment, so map it here without registering.
+    """
     buffer = _attached_buffers.get(name)
     if buffer is None:
-        buffer = shared_memory.SharedMemory(name=name)
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        try:
+            buffer = memoryview(mmap.mmap(fd, os.fstat(fd).st_size))
+        finally:
+            os.close(fd)
         _attached_buffers[name] = buffer
-    return buffer.buf
-
-
-def report_pid():
-    """Returns the worker's pid (lets the parent start every worker up front)."""
-    return os.getpid()
+    return buffer

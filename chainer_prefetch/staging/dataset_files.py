@@ -93,11 +93,9 @@ def _resolve(dataset, visiting) -> Optional[DatasetFiles]:
             getattr(dataset, 'with_file_locations', None)):
         return _ProtocolFiles(dataset)
     if isinstance(dataset, LabeledImageDataset):
-        return _ListedFiles(dataset, '_pairs', lambda entry: entry[0],
-                            lambda entry, path: (path,) + tuple(entry[1:]))
+        return _ListedFiles(dataset, '_pairs', _path_of_pair, _replace_pair_path)
     if isinstance(dataset, ImageDataset):
-        return _ListedFiles(dataset, '_paths', lambda entry: entry,
-                            lambda entry, path: path)
+        return _ListedFiles(dataset, '_paths', _path_of_path, _replace_path)
     if isinstance(dataset, SubDataset):
         inner = _resolve(dataset._dataset, visiting)
         return None if inner is None else _SubsetFiles(dataset, inner)
@@ -114,6 +112,23 @@ def _resolve(dataset, visiting) -> Optional[DatasetFiles]:
             return None
         return _ZippedFiles(dataset, '_datasets', resolved)
     return _resolve_attributes(dataset, visiting)
+
+
+# Entry accessors of the image datasets; module-level so views pickle.
+def _path_of_pair(pair):
+    return pair[0]
+
+
+def _replace_pair_path(pair, path):
+    return (path,) + tuple(pair[1:])
+
+
+def _path_of_path(path):
+    return path
+
+
+def _replace_path(old_path, path):
+    return path
 
 
 def _items(members):
