@@ -340,8 +340,10 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             self._pipeline.restart(self._state)
 
     def __getstate__(self):
-        state = {}
-        self.serialize(lambda key, value: state.__setitem__(key, value))
+        state = {'current_position': self.current_position,
+                 'epoch': self.epoch, 'is_new_epoch': self.is_new_epoch,
+                 'order': self._state.order,
+                 'previous_epoch_detail': self._previous_epoch_detail}
         settings = {key: value for key, value in self.__dict__.items()
                     if key in _SETTINGS}
         return {'settings': settings, 'state': state}
@@ -351,7 +353,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         self._initialize()
         state = pickled['state']
         self._reset_state(state['current_position'], state['epoch'],
-                          state['is_new_epoch'], state.get('order'))
+                          state['is_new_epoch'], state['order'])
         self._previous_epoch_detail = state['previous_epoch_detail']
 
 
