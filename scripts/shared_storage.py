@@ -75,10 +75,10 @@ from dataclasses import asdict, dataclass
 from typing import Dict, Iterator, List, Optional, Sequence
 
 PRESETS: Dict[str, Dict[str, float]] = {
-    'paper': {'open_latency_ms': 80.0, 'read_latency_ms': 20.0,
+    'paper': {'open_latency_ms': 18.0, 'read_latency_ms': 5.0,
               'bandwidth_mbps': 100.0},
-    'mild': {'open_latency_ms': 10.0, 'read_latency_ms': 2.0,
-             'bandwidth_mbps': 200.0},
+    'mild': {'open_latency_ms': 2.0, 'read_latency_ms': 0.5,
+             'bandwidth_mbps': 400.0},
 }
 """Named parameter sets; see the module docstring for what they emulate."""
 

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: installs what is missing, then runs.
+#
+#   bash scripts/run.sh demo    the benchmark demo on a generated dataset:
+#                               prints the comparison, writes figures
+#   bash scripts/run.sh test    the test suite
+#   bash scripts/run.sh setup   only the installation
+#
+# Installs Debian packages (FUSE) with apt-get when missing (needs root) and a
+# virtual environment in .venv with Chainer 7.8.1, which builds only with
+# setuptools<70 and --no-build-isolation.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-}
+
+setup() {
+    local missing=()
+    for package in $(grep -v '^#' scripts/apt-packages.txt); do
+        dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")
+    done
+    if [ ${#missing[@]} -gt 0 ]; then
+        echo "installing Debian packages: ${missing[*]}"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq
+        apt-get install -y -qq "${missing[@]}" >/dev/null
+    fi
+    if [ ! -x .venv/bin/python ]; then
+        python3 -m venv .venv
+    fi
+    # shellcheck disable=SC1091
+    . .venv/bin/activate
+    if ! python -c 'import chainer_prefetch, chainer, mfusepy, matplotlib' 2>/dev/null; then
+        echo "installing Python packages into .venv"
+        pip install -q --upgrade pip
+        pip install -q -r requirements.txt
+        pip install -q --no-build-isolation chainer==7.8.1
+        pip install -q --no-build-isolation --no-deps -e .
+    fi
+}
+
+setup
+. .venv/bin/activate
+# Open MPI refuses to run as root unless told; CI and containers run as root.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+case "$what" in
+    demo)
+        python scripts/bench_minibatch.py --quick --out results/demo/bench_minibatch.json
+        python scripts/plot_figures.py results/demo/bench_minibatch.json --out results/demo
+        ;;
+    test)
+        shift
+        python -m pytest -q "$@"
+        ;;
+    setup) ;;
+    *)
+        echo "usage: bash scripts/run.sh demo|test|setup" >&2
+        exit 2
+        ;;
+esac
