@@ -12,6 +12,8 @@ shared storage (scripts/shared_storage.py, a real FUSE mount):
 ``proposed-cold``    PrefetchMultiprocessIterator reading the mount and
                      staging into an empty local directory.
 ``proposed-warm``    The same with the local directory already filled.
+``prefetch-local``   PrefetchMultiprocessIterator reading the local copy
+                     with no staging (the pipeline's own cost).
 ``copy-then-local``  Copy the whole dataset with 8 parallel copiers, then
                      baseline-local (the paper's Table 3 accounting).
 ``multithread``      Chainer's MultithreadIterator through the mount.
@@ -56,7 +58,8 @@ import make_dataset  # NOQA: E402
 import shared_storage  # NOQA: E402
 
 METHODS = ('baseline-local', 'baseline-remote', 'proposed-cold',
-           'proposed-warm', 'copy-then-local', 'multithread', 'torch')
+           'proposed-warm', 'prefetch-local', 'copy-then-local',
+           'multithread', 'torch')
 BATCH_SIZE = 32
 ORDER_SEED = 0
 COPIERS = 8
@@ -78,11 +81,11 @@ def _make_iterator(method, dataset, config):
     if method in ('baseline-local', 'baseline-remote', 'copy-then-local'):
         return MultiprocessIterator(dataset, BATCH_SIZE, n_processes=n,
                                     order_sampler=_order_sampler())
-    if method in ('proposed-cold', 'proposed-warm'):
+    if method in ('proposed-cold', 'proposed-warm', 'prefetch-local'):
         return chainer_prefetch.PrefetchMultiprocessIterator(
             dataset, BATCH_SIZE, n_processes=n, order_sampler=_order_sampler(),
-            local_dir=config['local_dir'],
-            n_copy_threads=config['n_copy_threads'])
+            local_dir=None if method == 'prefetch-local' else
+            config['local_dir'], n_copy_threads=config['n_copy_threads'])
     if method == 'multithread':
         return MultithreadIterator(dataset, BATCH_SIZE, n_threads=n,
                                    order_sampler=_order_sampler())
@@ -117,7 +120,7 @@ def run_one(config):
     started = time.perf_counter()
     copy_s = 0.0
     root = config['remote_root']
-    if method == 'baseline-local':
+    if method in ('baseline-local', 'prefetch-local'):
         root = config['local_root']
     elif method == 'copy-then-local':
         copy_s = copy_dataset(config['remote_root'], config['list_file'],

@@ -13,9 +13,10 @@ Layout written under ``OUT_DIR``::
 
     train/n000/img_000000.JPEG ...   training images, one folder per class
     val/n000/img_000000.JPEG ...     validation images (with --val-images)
-    train.txt, val.txt               "relative/path label" per line, the
-                                     format chainer.datasets.LabeledImageDataset
-                                     reads (paths relative to OUT_DIR)
+    train.txt, val.txt               "relative/path label" per line (paths
+                                     relative to OUT_DIR), the format that
+                                     chainer.datasets.LabeledImageDataset
+                                     reads
     mean.npy                         (3, 256, 256) float32 mean image of (a
                                      sample of) the training images resized
                                      to 256x256, as the chainermn ImageNet
@@ -48,7 +49,7 @@ CHUNK = 16
 """Images per work unit; fixed so that results do not depend on workers."""
 
 QUALITY_RANGE = (40, 98)
-"""JPEG qualities searched for the one that best hits an image's target size."""
+"""JPEG qualities searched for the one nearest an image's target size."""
 
 SIZE_SIGMA = 0.45
 """Standard deviation of log(file size / expected size) across images."""
@@ -109,7 +110,8 @@ def _rng(seed: int, split: str, index: int) -> np.random.Generator:
 def _draw_shape(rng: np.random.Generator) -> Tuple[int, int]:
     """Draw (width, height) of one image."""
     probs = np.array([p for p, _ in _SHAPE_KINDS])
-    kind = _SHAPE_KINDS[rng.choice(len(_SHAPE_KINDS), p=probs / probs.sum())][1]
+    pick = rng.choice(len(_SHAPE_KINDS), p=probs / probs.sum())
+    kind = _SHAPE_KINDS[pick][1]
     if kind == 'landscape_4_3':
         return 500, 375
     if kind == 'landscape_3_2':

@@ -34,6 +34,7 @@ STYLE = {'baseline-local': ('tab:green', 'o'),
          'baseline-remote': ('tab:red', 's'),
          'proposed-cold': ('tab:blue', '^'),
          'proposed-warm': ('tab:cyan', 'v'),
+         'prefetch-local': ('tab:gray', '*'),
          'copy-then-local': ('tab:olive', 'D'),
          'multithread': ('tab:purple', 'x'),
          'torch': ('tab:brown', '+')}
