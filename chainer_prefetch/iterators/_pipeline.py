@@ -21,10 +21,13 @@ after the last worker that writes into it has finished.
 """
 import collections
 import concurrent.futures
+import concurrent.futures.thread
 import functools
+import os
 import threading
 import time
 import warnings
+import weakref
 from multiprocessing import shared_memory
 from typing import Optional
 
@@ -40,6 +43,21 @@ from chainer_prefetch.iterators._worker_pool import WorkerDiedError, WorkerPool
 DECODE_WINDOW = 2
 _RESPONSE_SECONDS = 0.05
 _STOP_SECONDS = 5.0
+
+_live_pipelines = weakref.WeakSet()
+
+
+def _close_live_pipelines():
+    for pipeline in list(_live_pipelines):
+        pipeline.close()
+
+
+# At interpreter exit (e.g. after Ctrl-C), concurrent.futures joins its
+# threads only after running every queued task: hundreds of pending copies.
+# Hooks registered later run earlier, so this one cancels them first.
+# Forked worker processes run these hooks too when they exit; close() acts
+# only in the process that started the pipeline.
+threading._register_atexit(_close_live_pipelines)
 
 
 class _Batch:
@@ -126,6 +144,7 @@ class Pipeline:
         self._exhausted = False
         self._restart_state = None
         self._generation = 0
+        self._owner_pid = os.getpid()
         self._stopping = False
         self._stop_event = stop_event
         self._thread = None
@@ -151,9 +170,16 @@ class Pipeline:
                                         name='chainer_prefetch-pipeline',
                                         daemon=True)
         self._thread.start()
+        _live_pipelines.add(self)
 
     def close(self):
-        """Stops every thread and process and frees shared memory.  Idempotent."""
+        """Stops every thread and process and frees shared memory.
+
+        Idempotent, and a no-op in any process but the one that started the
+        pipeline (a forked child holds a copy of this object).
+        """
+        if os.getpid() != self._owner_pid:
+            return
         with self._cond:
             if self._stopping:
                 return

@@ -25,6 +25,7 @@ import concurrent.futures
 import itertools
 import multiprocessing
 import multiprocessing.connection
+import os
 import threading
 import traceback
 
@@ -70,6 +71,7 @@ class WorkerPool:
         self._task_ids = itertools.count()
         self._broken = None
         self._closed = False
+        self._owner_pid = os.getpid()
         for _ in range(n_processes):
             self._workers.append(self._start_worker())
         self._wakeup_reader, self._wakeup_writer = \
@@ -103,7 +105,12 @@ class WorkerPool:
             return [worker.process.pid for worker in self._workers]
 
     def close(self):
-        """Stops every worker now (running tasks are abandoned).  Idempotent."""
+        """Stops every worker now (running tasks are abandoned).
+
+        Idempotent, and a no-op in any process but the pool's owner.
+        """
+        if os.getpid() != self._owner_pid:
+            return
         with self._lock:
             if self._closed:
                 return
@@ -171,6 +178,8 @@ class WorkerPool:
             ready = multiprocessing.connection.wait(
                 list(connections) + list(sentinels) + [self._wakeup_reader],
                 _POLL_SECONDS)
+            if self._wakeup_reader in ready:
+                self._wakeup_reader.recv()
             finished = []
             for item in ready:
                 if item in connections:
