@@ -149,9 +149,15 @@ def image_spec(seed: int, split: str, index: int, n_classes: int) -> ImageSpec:
 
 def _render(spec: ImageSpec, target_bpp: float,
             rng: np.random.Generator) -> Image.Image:
-    """Make the pixels: a smooth colour field plus uniform noise."""
+    """Make the pixels: a smooth colour field plus uniform noise.
+
+    The field leans towards a colour of the image's class, so a network can
+    learn the labels (training examples report a falling loss).
+    """
     grid_w, grid_h = (int(v) for v in rng.integers(2, 12, size=2))
-    coarse = rng.integers(0, 256, (grid_h, grid_w, 3), dtype=np.uint8)
+    class_colour = np.random.default_rng([spec.label]).integers(0, 256, 3)
+    coarse = (rng.integers(0, 256, (grid_h, grid_w, 3)) + class_colour) // 2
+    coarse = coarse.astype(np.uint8)
     field = Image.fromarray(coarse).resize((spec.width, spec.height),
                                            Image.BICUBIC)
     # More noise for images that must be larger files: the quality search
