@@ -1,4 +1,5 @@
-"""Conformance tests: the observable contract of Chainer's MultiprocessIterator.
+"""Conformance tests: the observable contract of Chainer's MultiprocessIterator
+(see ``chainer/tests/chainer_tests/iterators_tests``).
 
 Every test runs against ``chainer.iterators.MultiprocessIterator`` (the
 reference) and ``chainer_prefetch.PrefetchMultiprocessIterator`` (the drop-in
@@ -11,6 +12,9 @@ Anything that could hang (a dead prefetch thread in the reference) is turned
 into a fast failure: the test uses a small ``dataset_timeout`` and the
 ``error`` warnings filter for ``TimeoutWarning``, so a stalled ``next()``
 raises instead of blocking; ``pytest-timeout`` is the last line of defence.
+
+Reference only: ``pytest -q tests/test_iterator_contract.py -k "not Prefetch"``
+(the cross-class tests that involve ours carry "Prefetch" in their ids).
 """
 import copy
 import multiprocessing
@@ -34,6 +38,8 @@ pytestmark = pytest.mark.timeout(60)
 REF = iterators.MultiprocessIterator
 N_PROC = 2
 MB = 1000000
+# dataset_timeout used to turn a blocked next() into a fast failure
+HANG = 2.0
 
 
 # --------------------------------------------------------------------------
@@ -624,7 +630,7 @@ def test_order_sampler_wrong_size_raises(request, iterator_cls, tracked,
             it = iterator_cls(numpy.arange(6), 6, shuffle=None,
                               n_processes=N_PROC, shared_mem=shared_mem,
                               order_sampler=ShrinkingSampler(),
-                              dataset_timeout=3.0)
+                              dataset_timeout=HANG)
             tracked.append(it)
             it.next()
             it.next()
@@ -783,7 +789,9 @@ def test_serialize_restore_continuation_equal(make, at, shared_mem,
                                               seeded_numpy):
     dataset = numpy.arange(7)
     it = make(dataset, 3, shared_mem=shared_mem, n_prefetch=2)
-    take(it, 3 if at == 'epoch_boundary' else 4)
+    # 7 batches of 3 == exactly 3 epochs; 4 batches == mid epoch 1
+    take(it, 7 if at == 'epoch_boundary' else 4)
+    assert (it.current_position == 0) == (at == 'epoch_boundary')
     target = _snapshot(it)
     new = make(dataset, 3, shared_mem=shared_mem)
     _restore(new, target)
@@ -794,7 +802,7 @@ def test_serialize_restore_continuation_equal(make, at, shared_mem,
     assert new.previous_epoch_detail == approx(it.previous_epoch_detail)
     # the examples left in this epoch (or, at a boundary, the whole next
     # epoch, whose order is part of the snapshot) are identical
-    n_left = (7 - it.current_position) if at == 'mid_epoch' else 7
+    n_left = 7 - it.current_position
     a = flat(take(it, 3))[:n_left]
     b = flat(take(new, 3))[:n_left]
     assert a == b
@@ -1018,7 +1026,7 @@ def test_maxtasksperchild(request, iterator_cls, make, maxtasks, n_prefetch,
               '(intermittent)')
     it = make(numpy.arange(7), 3, shuffle=False, maxtasksperchild=maxtasks,
               n_prefetch=n_prefetch, shared_mem=shared_mem,
-              dataset_timeout=5.0)
+              dataset_timeout=HANG)
     with warnings.catch_warnings():
         warnings.simplefilter('error', REF.TimeoutWarning)
         seq = flat(take(it, 21))
@@ -1034,7 +1042,7 @@ def test_maxtasksperchild_shuffled_arrays(request, iterator_cls, make,
               'thread while the pool replaces workers (next() hangs)')
     dataset = _make_dataset('tuple')
     it = make(dataset, 4, maxtasksperchild=maxtasks, shared_mem=MB,
-              dataset_timeout=5.0)
+              dataset_timeout=HANG)
     with warnings.catch_warnings():
         warnings.simplefilter('error', REF.TimeoutWarning)
         examples = [ex for b in take(it, 9) for ex in b]
@@ -1060,7 +1068,7 @@ def test_get_example_error_surfaces(request, iterator_cls, make, bad,
     before = child_pids()
     dataset = FailingDataset(16, bad)
     it = make(dataset, 2, shuffle=False, shared_mem=shared_mem,
-              dataset_timeout=5.0)
+              dataset_timeout=HANG)
     good = []
     with warnings.catch_warnings():
         warnings.simplefilter('error', REF.TimeoutWarning)
@@ -1136,6 +1144,32 @@ def test_pickle_mid_epoch(make, tracked, n_prefetch, shared_mem, sampler,
     assert new.epoch_detail == approx(1.0)
     assert new.previous_epoch_detail == approx(4 / 6)
     assert sorted(as_int_list(b1 + b2 + b3)) == list(range(6))
-    # pickling must not disturb the original
-    assert as_int_list(it.next()) == as_int_list(b3)
     new.finalize()
+
+
+@pytest.mark.parametrize('shared_mem', [None, MB])
+def test_pickle_leaves_original_usable(request, iterator_cls, make, tracked,
+                                       shared_mem, seeded_numpy):
+    if is_ref(iterator_cls):
+        # Not run for the reference: its prefetch thread dies at once, and
+        # the thread's traceback formatting (ast.parse in 3.11's traceback
+        # module) can race pytest's own failure formatting in the main
+        # thread -> "SystemError: AST constructor recursion depth mismatch"
+        # INTERNALERROR.
+        pytest.xfail('reference: __getstate__ runs serialize() with a '
+                     'serializer that returns None, which resets the '
+                     'original iterator to current_position=None/epoch=None;'
+                     ' its prefetch thread then dies with TypeError and '
+                     'next() blocks forever')
+    it = make(numpy.arange(6), 2, shared_mem=shared_mem, dataset_timeout=HANG)
+    it.next()
+    it.next()
+    new = pickle.loads(pickle.dumps(it))
+    tracked.append(new)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', REF.TimeoutWarning)
+        assert it.epoch == 0 and it.current_position == 4
+        assert it.previous_epoch_detail == approx(2 / 6)
+        b3 = it.next()
+        assert it.is_new_epoch
+        assert as_int_list(new.next()) == as_int_list(b3)

@@ -100,6 +100,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
 
     _finalized = False
     _pipeline = None
+    _stop_event = None  # finalize() may run on a half-constructed object
 
     def __init__(self, dataset, batch_size, repeat=True, shuffle=None,
                  n_processes=None, n_prefetch=1, shared_mem=None,
@@ -248,7 +249,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         if self._finalized:
             return
         self._finalized = True
-        self._stop_event.set()
+        if self._stop_event is not None:
+            self._stop_event.set()
         if self._pipeline is not None:
             self._pipeline_finalizer()  # runs Pipeline.close once
             self._pipeline = None
