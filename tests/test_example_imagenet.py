@@ -5,7 +5,6 @@ Real runs, no mocks: a small labelled JPEG dataset is written into
 The training tests use images whose class is their colour, so that the loss
 falls within three epochs whatever the random crops and initialisation.
 """
-import importlib.util
 import json
 import os
 import shutil
@@ -17,9 +16,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import make_dataset
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, 'examples', 'imagenet', 'train_imagenet.py')
-MAKE_DATASET = os.path.join(REPO, 'scripts', 'make_dataset.py')
 TIMEOUT = 300
 
 COLOURS = [(220, 40, 40), (40, 200, 40), (40, 60, 220), (230, 220, 40)]
@@ -50,19 +50,6 @@ def _make_colour_dataset(root, n_train=48, n_val=16, size=40, seed=0):
             f.writelines(lines)
         lists.append(path)
     return lists
-
-
-def _load_make_dataset():
-    """scripts/make_dataset.py as a module, or None if it is absent."""
-    if not os.path.exists(MAKE_DATASET):
-        return None
-    spec = importlib.util.spec_from_file_location('make_dataset',
-                                                  MAKE_DATASET)
-    module = importlib.util.module_from_spec(spec)
-    # Registered so that its worker pool can pickle its functions.
-    sys.modules.setdefault('make_dataset', module)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _mpiexec():
@@ -150,12 +137,8 @@ def test_generated_dataset_with_mean_and_resume(tmp_path):
     Also the prefetch iterator with the ``fork`` start method (the first
     test uses the default, ``forkserver``).
 
-    The generated images' content does not depend on their label, so this
-    checks only that training runs, reports, snapshots and resumes.
+    It checks that training runs, reports, snapshots and resumes.
     """
-    make_dataset = _load_make_dataset()
-    if make_dataset is None:
-        pytest.skip('scripts/make_dataset.py not found')
     data = tmp_path / 'data'
     make_dataset.generate(str(data), 32, 4, 0, val_images=16,
                           mean_size=20000, workers=1, progress=False)
