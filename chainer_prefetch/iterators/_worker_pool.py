@@ -44,6 +44,7 @@ class _Worker:
         self.process = process
         self.connection = connection
         self.assigned = 0  # tasks sent over its life
+        self.gone = False  # a send failed: the process is dying
         self.outstanding = {}  # task id -> future
 
 
@@ -150,7 +151,7 @@ class WorkerPool:
         return _Worker(process, parent_end)
 
     def _accepts_work(self, worker) -> bool:
-        if len(worker.outstanding) >= TASKS_PER_WORKER:
+        if worker.gone or len(worker.outstanding) >= TASKS_PER_WORKER:
             return False
         return self._max_tasks is None or worker.assigned < self._max_tasks
 
@@ -166,7 +167,12 @@ class WorkerPool:
                 continue
             worker.outstanding[task_id] = future
             worker.assigned += 1
-            worker.connection.send((task_id,) + call)
+            try:
+                worker.connection.send((task_id,) + call)
+            except OSError:
+                # Died since the collector last looked; its sentinel fires
+                # soon and _reap fails this task with WorkerDiedError.
+                worker.gone = True
 
     def _collect(self):
         while True:

@@ -130,6 +130,8 @@ class LocalDirectory:
         """
         if source_stat is None:
             source_stat = _stat_source(source)
+        if self.is_valid(source, source_stat):
+            return 0  # one lstat; workers read this path the same way
         relative = self.path_map.relative(source)
         directory_fd = self._open_parent(relative)
         name = os.path.basename(relative)
@@ -280,12 +282,15 @@ class LocalDirectory:
                     continue
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    # Unlink while holding the lock: a copier that opened
+                    # this file meanwhile finds it gone once it gets the
+                    # lock (_same_file) and starts over with a new one.
+                    if _unlink_quietly(name, partial_fd):
+                        removed += 1
                 except BlockingIOError:
-                    continue  # a live copy in another process
+                    pass  # a live copy in another process
                 finally:
                     os.close(fd)
-                if _unlink_quietly(name, partial_fd):
-                    removed += 1
         finally:
             os.close(partial_fd)
         return removed
