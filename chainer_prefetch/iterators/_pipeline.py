@@ -186,11 +186,14 @@ class Pipeline:
             self._stopping = True
             self._cond.notify_all()
         self._stop_event.set()
-        if self._thread is not None:
-            self._thread.join(_STOP_SECONDS)
+        # Garbage collection may run this on one of the pipeline's own
+        # threads, which must not wait for itself.
+        threads = [self._thread] if self._thread is not None else []
         if self._copy_pool is not None:
             self._copy_pool.shutdown(wait=False, cancel_futures=True)
-            for thread in list(getattr(self._copy_pool, '_threads', ())):
+            threads += list(getattr(self._copy_pool, '_threads', ()))
+        for thread in threads:
+            if thread is not threading.current_thread():
                 thread.join(_STOP_SECONDS)
         if self._workers is not None:
             self._workers.close()

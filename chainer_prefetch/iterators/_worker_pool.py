@@ -122,7 +122,8 @@ class WorkerPool:
             futures += [future for _, future, _ in self._waiting]
             self._waiting.clear()
         self._wakeup_writer.send(None)
-        self._collector.join(_STOP_SECONDS)
+        if self._collector is not threading.current_thread():
+            self._collector.join(_STOP_SECONDS)
         for worker in workers:
             if worker.process.is_alive():
                 worker.process.terminate()

@@ -1,0 +1,229 @@
+"""Shared helpers for test_local_directory.py and test_failures.py.
+
+Everything here touches the real system: files, /proc, /dev/shm, mounts.
+"""
+import contextlib
+import errno
+import glob
+import os
+import re
+import subprocess
+import threading
+import time
+
+import numpy
+
+THREAD_PREFIX = 'chainer_prefetch'
+
+
+# ---- files and datasets ------------------------------------------------------
+
+def write_random_file(path, size, seed=0):
+    """Writes ``size`` random bytes to ``path``; returns the bytes."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    data = numpy.random.RandomState(seed).bytes(size)
+    with open(path, 'wb') as f:
+        f.write(data)
+    return data
+
+
+def read_bytes(path):
+    with open(path, 'rb') as f:
+        return f.read()
+
+
+def make_jpeg_dataset(directory, n_images, size=32, seed=0, quality=90,
+                      list_name='train.txt'):
+    """Writes ``n_images`` random-noise JPEGs and a LabeledImageDataset list.
+
+    Returns:
+        (list_file, root, absolute paths of the images in list order)
+    """
+    from PIL import Image
+    random = numpy.random.RandomState(seed)
+    root = str(directory)
+    lines, paths = [], []
+    for i in range(n_images):
+        relative = os.path.join('class{}'.format(i % 3), 'img{:03d}.jpg'.format(i))
+        path = os.path.join(root, relative)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        pixels = random.randint(0, 256, (size, size, 3)).astype(numpy.uint8)
+        Image.fromarray(pixels).save(path, quality=quality)
+        lines.append('{} {}\n'.format(relative, i % 3))
+        paths.append(path)
+    list_file = os.path.join(root, list_name)
+    with open(list_file, 'w') as f:
+        f.writelines(lines)
+    return list_file, root, paths
+
+
+def assert_examples_equal(got, expected):
+    """Compares two lists of examples (tuples of arrays / scalars)."""
+    assert len(got) == len(expected)
+    for got_example, expected_example in zip(got, expected):
+        assert len(got_example) == len(expected_example)
+        for got_item, expected_item in zip(got_example, expected_example):
+            numpy.testing.assert_array_equal(numpy.asarray(got_item),
+                                             numpy.asarray(expected_item))
+
+
+def files_under(directory):
+    """Every non-directory entry under ``directory`` (relative paths)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(directory):
+        for name in filenames:
+            found.append(os.path.relpath(os.path.join(dirpath, name), directory))
+    return sorted(found)
+
+
+# ---- mounts -------------------------------------------------------------------
+
+@contextlib.contextmanager
+def tmpfs(path, size, read_only=False):
+    """Mounts a tmpfs of ``size`` at ``path``; yields whether the mount worked.
+
+    Always unmounts on exit.
+    """
+    path = str(path)
+    os.makedirs(path, exist_ok=True)
+    options = 'size={}'.format(size) + (',ro' if read_only else '')
+    result = subprocess.run(['mount', '-t', 'tmpfs', '-o', options, 'tmpfs', path],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if result.returncode != 0:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        if subprocess.run(['umount', path], stderr=subprocess.PIPE).returncode:
+            subprocess.run(['umount', '-l', path], stderr=subprocess.PIPE)
+
+
+def remount_read_only(path):
+    subprocess.run(['mount', '-o', 'remount,ro', str(path)], check=True)
+
+
+class FullDiskOs:
+    """Stand-in for the ``os`` module *of local_directory only* whose ``write``
+    fails with ENOSPC after ``capacity`` bytes (fallback when tmpfs cannot be
+    mounted)."""
+
+    def __init__(self, capacity):
+        self._capacity = capacity
+        self._written = 0
+        self._lock = threading.Lock()
+
+    def write(self, fd, data):
+        with self._lock:
+            room = self._capacity - self._written
+            if room <= 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            count = os.write(fd, memoryview(data)[:room])
+            self._written += count
+            return count
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
+# ---- processes, threads, shared memory --------------------------------------
+
+def _read(path, mode='r'):
+    try:
+        with open(path, mode) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def children(pid=None):
+    """Pids of the (direct) children of ``pid`` (default: this process)."""
+    pid = os.getpid() if pid is None else pid
+    found = set()
+    for task in glob.glob('/proc/{}/task/*/children'.format(pid)):
+        text = _read(task)
+        if text:
+            found.update(int(p) for p in text.split())
+    return found
+
+
+def is_resource_tracker(pid):
+    cmdline = _read('/proc/{}/cmdline'.format(pid), 'rb') or b''
+    return b'resource_tracker' in cmdline
+
+
+def worker_children(pid=None):
+    """Children except multiprocessing's resource tracker (a long-lived helper)."""
+    return {child for child in children(pid) if not is_resource_tracker(child)}
+
+
+def is_running(pid):
+    """Whether ``pid`` exists and is not a zombie."""
+    status = _read('/proc/{}/stat'.format(pid))
+    if status is None:
+        return False
+    state = status.rsplit(')', 1)[1].split()[0]
+    return state not in ('Z', 'X')
+
+
+def wait_until(predicate, timeout, interval=0.02):
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+
+
+def prefetch_threads():
+    return {thread for thread in threading.enumerate()
+            if thread.name.startswith(THREAD_PREFIX)}
+
+
+def shm_segments():
+    return set(glob.glob('/dev/shm/psm_*'))
+
+
+def mapped_segments(pid='self'):
+    """``/dev/shm/psm_*`` segments mapped into a process (other processes on
+    the machine may create their own, so only these are ours)."""
+    found = set()
+    for line in (_read('/proc/{}/maps'.format(pid)) or '').splitlines():
+        match = re.search(r'(/dev/shm/psm_\w+)', line)
+        if match:
+            found.add(match.group(1))
+    return found
+
+
+class ResourceSnapshot:
+    """What exists before an iterator starts: compare with :meth:`leftovers`."""
+
+    def __init__(self):
+        self.children = children()
+        self.threads = prefetch_threads()
+        self.mapped_before = mapped_segments()
+        self.ours = set()
+
+    def record(self):
+        """Remembers the segments this process maps now (call while running)."""
+        self.ours |= mapped_segments() - self.mapped_before
+        return self.ours
+
+    def new_children(self):
+        return {pid for pid in children() - self.children
+                if not is_resource_tracker(pid)}
+
+    def leftovers(self):
+        """(new child pids, new live prefetch threads, our shm segments left)."""
+        still_mapped = mapped_segments() - self.mapped_before
+        return (self.new_children(),
+                sorted(t.name for t in prefetch_threads() - self.threads
+                       if t.is_alive()),
+                sorted(still_mapped | {s for s in self.ours if os.path.exists(s)}))
+
+    def assert_clean(self):
+        pids, threads, segments = self.leftovers()
+        assert pids == set(), 'child processes left behind: {}'.format(pids)
+        assert threads == [], 'threads left behind: {}'.format(threads)
+        assert segments == [], 'shared memory left behind: {}'.format(segments)
