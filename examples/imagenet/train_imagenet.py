@@ -43,6 +43,15 @@ Notes:
   to ``naive`` (the only CPU-capable one in ChainerMN 7.8.1; ``flat`` needs
   CuPy).  With ``--gpu`` each rank uses GPU ``intra_rank`` and the
   communicator defaults to ``pure_nccl``; CuPy is imported only then.
+* Time breakdown (``time_breakdown.py``): every rank splits each
+  iteration's wall time into load (inside the iterator's ``next()``),
+  forward, backward, allreduce (the communicator's gradient averaging) and
+  other, sums them per epoch and writes ``OUT/time_breakdown_rank{R}.json``
+  at the end of every epoch (with the first and second iterations' load
+  times and, for the prefetch iterator, its ``stats``).  The epoch sums are
+  also reported as ``time/load``, ``time/forward``, ``time/backward``,
+  ``time/allreduce``, ``time/other`` (and ``time/wall``), so they appear in
+  ``OUT/log`` and in the printed report.
 * ``--start-method`` (default ``forkserver``) selects how the iterators
   start their worker processes.  With InfiniBand (verbs), calling ``fork()``
   in a process that has already initialised MPI can crash the child or
@@ -59,6 +68,7 @@ import multiprocessing
 import os
 import random
 import sys
+import time
 
 import numpy as np
 
@@ -71,6 +81,9 @@ import chainermn
 # script is started (the forkserver children import this file as well).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import ARCHS  # NOQA: E402
+from time_breakdown import COMPONENTS  # NOQA: E402
+from time_breakdown import install_time_breakdown  # NOQA: E402
+from time_breakdown import TimedUpdater  # NOQA: E402
 
 
 CPU_COMMUNICATORS = ('naive',)
@@ -238,6 +251,7 @@ def make_iterator(args, dataset, batch_size, train):
 
 
 def main(argv=None):
+    main_started = time.perf_counter()
     args = parse_args(argv)
     if args.communicator is None:
         args.communicator = 'pure_nccl' if args.gpu else 'naive'
@@ -315,8 +329,23 @@ def main(argv=None):
         optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
             args.weight_decay))
 
-    updater = training.StandardUpdater(train_iter, optimizer, device=device)
+    # Times load / forward / backward / allreduce / other per iteration
+    # (see time_breakdown.py); on a GPU each phase ends with a device sync.
+    updater = TimedUpdater(
+        train_iter, optimizer, device=device,
+        synchronize=device.device.synchronize if args.gpu else None)
     trainer = training.Trainer(updater, (args.epoch, 'epoch'), args.out)
+    install_time_breakdown(
+        trainer, updater,
+        os.path.join(args.out, 'time_breakdown_rank{}.json'.format(comm.rank)),
+        info=dict(rank=comm.rank, size=comm.size,
+                  intra_rank=comm.intra_rank, inter_size=comm.inter_size,
+                  iterator=args.iterator, arch=args.arch,
+                  batchsize=args.batchsize, crop_size=args.crop_size,
+                  loaderjob=args.loaderjob, copy_threads=args.copy_threads,
+                  local_dir=args.local_dir, root=args.root,
+                  train_examples=len(train), epochs=args.epoch),
+        clock_origin=main_started)
 
     interval = (10, 'iteration') if args.test else (1, 'epoch')
     evaluator = extensions.Evaluator(val_iter, model, device=device)
@@ -333,7 +362,8 @@ def main(argv=None):
         trainer.extend(extensions.PrintReport([
             'epoch', 'iteration', 'main/loss', 'validation/main/loss',
             'main/accuracy', 'validation/main/accuracy', 'lr',
-            'elapsed_time']), trigger=interval)
+            'elapsed_time'] + ['time/' + key for key in COMPONENTS]),
+            trigger=interval)
         if args.progress:
             trainer.extend(extensions.ProgressBar(update_interval=10))
 
