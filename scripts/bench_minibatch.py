@@ -180,19 +180,6 @@ def copy_dataset(source_root, list_file, target_root, n_copiers):
 
 # ---------------------------------------------------------------- parent side
 
-def drop_page_cache(*roots):
-    """Drops cached pages of every file under ``roots`` (posix_fadvise)."""
-    for root in roots:
-        for folder, _, names in os.walk(root):
-            for name in names:
-                with contextlib.suppress(OSError):
-                    fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-                    try:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    finally:
-                        os.close(fd)
-
-
 def fill_local_dir(config):
     """Stages every file for proposed-warm, untimed."""
     import chainer
@@ -415,7 +402,7 @@ def main(argv=None):
                 shutil.rmtree(path, ignore_errors=True)
             if config['method'] == 'proposed-warm':
                 fill_local_dir(config)
-            drop_page_cache(dataset_dir, local_dir)
+            shared_storage.drop_page_cache(dataset_dir, local_dir)
             daemon_cpu_before = mount.cpu_seconds()
             result = run_in_child(config, args.run_timeout)
             result['storage_daemon_cpu_s'] = (mount.cpu_seconds()

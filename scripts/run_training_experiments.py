@@ -69,18 +69,16 @@ import json
 import os
 import platform
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, 'scripts')
-TRAIN_SCRIPT = os.path.join(REPO, 'examples', 'imagenet', 'train_imagenet.py')
 sys.path.insert(0, SCRIPTS)
 
 import make_dataset  # NOQA: E402
+import mpi_launch  # NOQA: E402
 import shared_storage  # NOQA: E402
 
 METHODS = ('baseline-local', 'baseline-remote', 'proposed')
@@ -186,21 +184,6 @@ def dataset_files(data_dir):
     return files
 
 
-def drop_page_cache(root):
-    """posix_fadvise(DONTNEED) on every file under ``root``."""
-    count = 0
-    for folder, _, names in os.walk(root):
-        for name in names:
-            with contextlib.suppress(OSError):
-                fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    count += 1
-                finally:
-                    os.close(fd)
-    return count
-
-
 def empty_dir(path):
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
@@ -217,7 +200,7 @@ def measure_copy(args, data_dir, mount_dir, target):
     relpaths += [name for name in ('train.txt', 'val.txt')
                  if os.path.exists(os.path.join(data_dir, name))]
     empty_dir(target)
-    drop_page_cache(data_dir)
+    shared_storage.drop_page_cache(data_dir)
     for rel in relpaths:
         os.makedirs(os.path.dirname(os.path.join(target, rel)),
                     exist_ok=True)
@@ -246,18 +229,11 @@ def measure_copy(args, data_dir, mount_dir, target):
 # ---------------------------------------------------------------- runs
 
 
-def _mpiexec():
-    candidate = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
-    return candidate if os.path.exists(candidate) else (
-        shutil.which('mpiexec') or 'mpiexec')
-
-
 def training_command(args, method, procs, data_dir, mount_dir, local_dir,
                      run_out):
     root = data_dir if method == 'baseline-local' else mount_dir
     iterator = 'prefetch' if method == 'proposed' else 'multiprocess'
-    cmd = [_mpiexec(), '--oversubscribe', '--bind-to', 'none',
-           '-n', str(procs), sys.executable, TRAIN_SCRIPT,
+    cmd = mpi_launch.train_command(procs, [
            os.path.join(data_dir, 'train.txt'),
            os.path.join(data_dir, 'val.txt'),
            '--root', root, '--arch', 'tiny',
@@ -266,7 +242,7 @@ def training_command(args, method, procs, data_dir, mount_dir, local_dir,
            '--val_batchsize', str(args.val_batchsize),
            '--epoch', str(args.epochs), '--loaderjob', str(args.loaderjob),
            '--iterator', iterator, '--start-method', args.start_method,
-           '--out', run_out]
+           '--out', run_out])
     if method == 'proposed':
         cmd += ['--local-dir', local_dir,
                 '--copy-threads', str(args.copy_threads)]
@@ -277,31 +253,16 @@ def run_training(args, method, procs, data_dir, mount, local_dir, runs_dir):
     run_out = os.path.join(runs_dir, '{}_k{}'.format(method, procs))
     shutil.rmtree(run_out, ignore_errors=True)
     empty_dir(local_dir)
-    dropped = drop_page_cache(data_dir)
+    dropped = shared_storage.drop_page_cache(data_dir)
     cmd = training_command(args, method, procs, data_dir, mount.mountpoint,
                            local_dir, run_out)
-    env = dict(os.environ)
-    env['PYTHONPATH'] = os.pathsep.join(
-        [REPO] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
-    if hasattr(os, 'geteuid') and os.geteuid() == 0:
-        env['OMPI_ALLOW_RUN_AS_ROOT'] = '1'
-        env['OMPI_ALLOW_RUN_AS_ROOT_CONFIRM'] = '1'
     print('run: {} K={} ...'.format(method, procs), flush=True)
     mount_cpu = mount.cpu_seconds()
     children_before = os.times()
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    timed_out = False
-    try:
-        output, _ = proc.communicate(timeout=args.run_timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+    returncode, output, timed_out = mpi_launch.run(cmd, args.run_timeout)
     wall = time.perf_counter() - start
     children_after = os.times()
-    output = output.decode(errors='replace')
     breakdowns = []
     for rank in range(procs):
         path = os.path.join(run_out,
@@ -315,7 +276,7 @@ def run_training(args, method, procs, data_dir, mount, local_dir, runs_dir):
             log = json.load(f)
     result = dict(
         method=method, procs=procs, command=cmd,
-        returncode=proc.returncode, timed_out=timed_out,
+        returncode=returncode, timed_out=timed_out,
         wall_seconds=wall,
         cpu_seconds=(children_after.children_user
                      + children_after.children_system
@@ -324,10 +285,10 @@ def run_training(args, method, procs, data_dir, mount, local_dir, runs_dir):
         storage_daemon_cpu_seconds=mount.cpu_seconds() - mount_cpu,
         files_dropped_from_cache=dropped,
         breakdown=breakdowns, log=log, output_tail=output[-4000:])
-    ok = proc.returncode == 0 and len(breakdowns) == procs
+    ok = returncode == 0 and len(breakdowns) == procs
     print('run: {} K={}: {:.1f} s{}'.format(
         method, procs, wall, '' if ok else '  FAILED (rc={}{})\n{}'.format(
-            proc.returncode, ', timed out' if timed_out else '',
+            returncode, ', timed out' if timed_out else '',
             output[-2000:])), flush=True)
     return result
 

@@ -1,4 +1,4 @@
-"""Shared helpers for test_local_directory.py and test_failures.py.
+"""Shared helpers of the tests.
 
 Everything here touches the real system: files, /proc, /dev/shm, mounts.
 """
@@ -11,7 +11,9 @@ import subprocess
 import threading
 import time
 
+import mpi_launch
 import numpy
+from PIL import Image
 
 THREAD_PREFIX = 'chainer_prefetch'
 
@@ -39,7 +41,6 @@ def make_jpeg_dataset(directory, n_images, size=32, seed=0, quality=90,
     Returns:
         (list_file, root, absolute paths of the images in list order)
     """
-    from PIL import Image
     random = numpy.random.RandomState(seed)
     root = str(directory)
     lines, paths = [], []
@@ -55,6 +56,48 @@ def make_jpeg_dataset(directory, n_images, size=32, seed=0, quality=90,
     with open(list_file, 'w') as f:
         f.writelines(lines)
     return list_file, root, paths
+
+
+COLOURS = [(220, 40, 40), (40, 200, 40), (40, 60, 220), (230, 220, 40)]
+
+
+def make_colour_dataset(root, n_train=48, n_val=16, size=40, seed=0):
+    """Write ``n_train``/``n_val`` noisy JPEGs per class of solid colour.
+
+    Returns the paths of ``train.txt`` and ``val.txt`` (lines ``path
+    label`` relative to ``root``).
+    """
+    rng = numpy.random.default_rng(seed)
+    lists = []
+    for split, n in (('train', n_train), ('val', n_val)):
+        lines = []
+        for label, colour in enumerate(COLOURS):
+            folder = os.path.join(root, split, 'c{}'.format(label))
+            os.makedirs(folder, exist_ok=True)
+            for i in range(n):
+                noise = rng.integers(-40, 41, (size, size, 3))
+                pixels = numpy.clip(numpy.array(colour) + noise, 0, 255)
+                rel = '{}/c{}/{:04d}.JPEG'.format(split, label, i)
+                Image.fromarray(pixels.astype(numpy.uint8)).save(
+                    os.path.join(root, rel), quality=90)
+                lines.append('{} {}\n'.format(rel, label))
+        path = os.path.join(root, split + '.txt')
+        with open(path, 'w') as f:
+            f.writelines(lines)
+        lists.append(path)
+    return lists
+
+
+def run_mpi(command, cwd, timeout):
+    """Runs an MPI command line (see scripts/mpi_launch.py); returns its output.
+
+    Fails the test with the output's tail on a non-zero exit or a timeout.
+    """
+    returncode, output, timed_out = mpi_launch.run(command, timeout, cwd=cwd)
+    assert not timed_out, 'timed out after {} s:\n{}'.format(
+        timeout, output[-5000:])
+    assert returncode == 0, output[-5000:]
+    return output
 
 
 def assert_examples_equal(got, expected):

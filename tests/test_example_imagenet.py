@@ -7,86 +7,25 @@ falls within three epochs whatever the random crops and initialisation.
 """
 import json
 import os
-import shutil
-import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from PIL import Image
 
+import helpers
 import make_dataset
+import mpi_launch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, 'examples', 'imagenet', 'train_imagenet.py')
 TIMEOUT = 300
-
-COLOURS = [(220, 40, 40), (40, 200, 40), (40, 60, 220), (230, 220, 40)]
-
-
-def _make_colour_dataset(root, n_train=48, n_val=16, size=40, seed=0):
-    """Write ``n_train``/``n_val`` noisy JPEGs per class of solid colour.
-
-    Returns the paths of ``train.txt`` and ``val.txt`` (lines ``path
-    label`` relative to ``root``).
-    """
-    rng = np.random.default_rng(seed)
-    lists = []
-    for split, n in (('train', n_train), ('val', n_val)):
-        lines = []
-        for label, colour in enumerate(COLOURS):
-            folder = os.path.join(root, split, 'c{}'.format(label))
-            os.makedirs(folder, exist_ok=True)
-            for i in range(n):
-                noise = rng.integers(-40, 41, (size, size, 3))
-                pixels = np.clip(np.array(colour) + noise, 0, 255)
-                rel = '{}/c{}/{:04d}.JPEG'.format(split, label, i)
-                Image.fromarray(pixels.astype(np.uint8)).save(
-                    os.path.join(root, rel), quality=90)
-                lines.append('{} {}\n'.format(rel, label))
-        path = os.path.join(root, split + '.txt')
-        with open(path, 'w') as f:
-            f.writelines(lines)
-        lists.append(path)
-    return lists
-
-
-def _mpiexec():
-    candidate = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
-    if os.path.exists(candidate):
-        return candidate
-    found = shutil.which('mpiexec')
-    if found is None:
-        pytest.skip('mpiexec not found')
-    return found
 
 
 def _train(tmp_path, train_list, val_list, root, *options):
     """Run the example under ``mpiexec -n 2``; return (log entries, output)."""
     out = tmp_path / 'out'
-    cmd = [_mpiexec(), '--oversubscribe', '-n', '2', sys.executable, SCRIPT,
-           train_list, val_list, '--root', root, '--out', str(out),
-           '--arch', 'tiny', '--crop-size', '32', '--batchsize', '8',
-           '--val_batchsize', '16', '--loaderjob', '1'] + list(options)
-    env = dict(os.environ)
-    env['PYTHONPATH'] = os.pathsep.join(
-        [REPO] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
-    if hasattr(os, 'geteuid') and os.geteuid() == 0:
-        env['OMPI_ALLOW_RUN_AS_ROOT'] = '1'
-        env['OMPI_ALLOW_RUN_AS_ROOT_CONFIRM'] = '1'
-    proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail('training timed out after {} s:\n{}'.format(
-            TIMEOUT, output.decode(errors='replace')[-5000:]))
-    output = output.decode(errors='replace')
-    assert proc.returncode == 0, output[-5000:]
+    output = helpers.run_mpi(mpi_launch.train_command(2, [
+        train_list, val_list, '--root', root, '--out', str(out),
+        '--arch', 'tiny', '--crop-size', '32', '--batchsize', '8',
+        '--val_batchsize', '16', '--loaderjob', '1'] + list(options)),
+        str(tmp_path), TIMEOUT)
     with open(str(out / 'log')) as f:
         return json.load(f), output
 
@@ -106,7 +45,7 @@ def _check_learns(log, output, epochs=3):
 @pytest.mark.slow
 def test_train_prefetch_iterator(tmp_path):
     data = tmp_path / 'data'
-    train_list, val_list = _make_colour_dataset(str(data))
+    train_list, val_list = helpers.make_colour_dataset(str(data))
     log, output = _train(
         tmp_path, train_list, val_list, str(data), '--epoch', '3',
         '--iterator', 'prefetch', '--local-dir', str(tmp_path / 'local'),
@@ -122,7 +61,7 @@ def test_train_prefetch_iterator(tmp_path):
 @pytest.mark.slow
 def test_train_multiprocess_iterator_fork(tmp_path):
     data = tmp_path / 'data'
-    train_list, val_list = _make_colour_dataset(str(data))
+    train_list, val_list = helpers.make_colour_dataset(str(data))
     log, output = _train(
         tmp_path, train_list, val_list, str(data), '--epoch', '3',
         '--iterator', 'multiprocess', '--start-method', 'fork')

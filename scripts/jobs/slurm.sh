@@ -15,41 +15,16 @@
 # #SBATCH --account=<account>
 set -euo pipefail
 
-# ---- edit these --------------------------------------------------------
-PROCS_PER_NODE=${PROCS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-4}}   # = GPUs per node
+# ---- edit these (any setting of cluster_train.sh can be set here) ------
 DATA_ROOT=${DATA_ROOT:-/lustre/${USER:-$(id -un)}/imagenet}   # dataset on shared storage
-TRAIN_LIST=${TRAIN_LIST:-$DATA_ROOT/train.txt}
-VAL_LIST=${VAL_LIST:-$DATA_ROOT/val.txt}
-MEAN=${MEAN:-$DATA_ROOT/mean.npy}            # '' = subtract 128
 LOCAL_DIR=${LOCAL_DIR:-${TMPDIR:-/tmp}/chainer_prefetch_${USER:-$(id -un)}}   # node-local SSD
-ITERATOR=${ITERATOR:-prefetch}               # prefetch | multiprocess
-ARCH=${ARCH:-resnet50}
-CROP_SIZE=${CROP_SIZE:-224}
-BATCHSIZE=${BATCHSIZE:-32}                   # per process
+PROCS_PER_NODE=${PROCS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-4}}   # = GPUs per node
 EPOCHS=${EPOCHS:-10}
-LOADERJOB=${LOADERJOB:-2}                    # loader processes per rank (paper: 2)
-COPY_THREADS=${COPY_THREADS:-8}              # copy threads per rank
-GPU_ARGS=${GPU_ARGS:---gpu}                  # '' for a CPU-only run (naive communicator)
 REPO=${REPO:-${SLURM_SUBMIT_DIR:-$PWD}}      # repository root (sbatch from there)
-PYTHON=${PYTHON:-$REPO/.venv/bin/python}
-MPIRUN=${MPIRUN:-mpirun}
-OUT=${OUT:-$REPO/result/slurm_${SLURM_JOB_ID:-manual}}
-# ------------------------------------------------------------------------
-
-cd "$REPO"
-NODES=${SLURM_JOB_NUM_NODES:-1}
-NPROCS=$((NODES * PROCS_PER_NODE))
-mkdir -p "$OUT"
-mean_args=()
-if [ -n "$MEAN" ]; then mean_args=(--mean "$MEAN"); fi
+# --------------------------------------------------------------------------
 
 # Open MPI built with SLURM support reads the allocation itself.
-set -x
-"$MPIRUN" -n "$NPROCS" --map-by "ppr:$PROCS_PER_NODE:node" \
-    -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH \
-    "$PYTHON" "$REPO/examples/imagenet/train_imagenet.py" \
-    "$TRAIN_LIST" "$VAL_LIST" --root "$DATA_ROOT" ${mean_args[@]+"${mean_args[@]}"} \
-    --arch "$ARCH" --crop-size "$CROP_SIZE" --batchsize "$BATCHSIZE" \
-    --epoch "$EPOCHS" --loaderjob "$LOADERJOB" \
-    --iterator "$ITERATOR" --local-dir "$LOCAL_DIR" \
-    --copy-threads "$COPY_THREADS" $GPU_ARGS --out "$OUT" "$@"
+NODES=${SLURM_JOB_NUM_NODES:-1}
+HOST_ARGS=()
+OUT=${OUT:-$REPO/result/slurm_${SLURM_JOB_ID:-manual}}
+source "$REPO/scripts/jobs/cluster_train.sh" "$@"
