@@ -45,6 +45,7 @@ import os
 import platform
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -331,7 +332,7 @@ def parse_args(argv):
                         help='dataset size (default: batches x 32)')
     parser.add_argument('--batches', type=int, default=1000)
     parser.add_argument('--processes', default='2,4,8,16')
-    parser.add_argument('--copy-threads', type=int, default=8,
+    parser.add_argument('--copy-threads', type=int, default=16,
                         help='copy threads of the proposed iterator')
     parser.add_argument('--copy-thread-sweep', default='',
                         help='e.g. 2,4,8,12,16 (proposed-cold, 2 processes)')
@@ -372,6 +373,8 @@ def main(argv=None):
         print(json.dumps(run_one(json.loads(argv[1]))))
         return 0
     args = parse_args(argv)
+    # A SIGTERM (e.g. a job's time limit) still unmounts the emulated storage.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     problem = shared_storage.fuse_problem()
     if problem:
         print('FUSE is not usable here: ' + problem, file=sys.stderr)

@@ -69,6 +69,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -105,7 +106,7 @@ def parse_args(argv=None):
     parser.add_argument('--val-batchsize', type=int, default=32)
     parser.add_argument('--loaderjob', type=int, default=2,
                         help='loader processes per iterator (paper: 2)')
-    parser.add_argument('--copy-threads', type=int, default=8,
+    parser.add_argument('--copy-threads', type=int, default=16,
                         help='copy threads of the prefetch iterator')
     parser.add_argument('--copy-ways', type=int, default=8,
                         help='parallel copies for the copy-time measurement '
@@ -308,6 +309,8 @@ def save(path, data):
 
 def main(argv=None):
     args = parse_args(argv)
+    # A SIGTERM (e.g. a job's time limit) still unmounts the emulated storage.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     os.makedirs(args.out, exist_ok=True)
     raw_path = os.path.join(args.out, 'raw.json')
     import plot_training

@@ -211,7 +211,7 @@ def parse_args(argv=None):
     parser.add_argument('--local-dir', default=None,
                         help='node-local staging directory of the prefetch '
                              'iterator (shared by the ranks of a node)')
-    parser.add_argument('--copy-threads', type=int, default=8,
+    parser.add_argument('--copy-threads', type=int, default=16,
                         help='copy threads of the prefetch iterator')
     parser.add_argument('--start-method', choices=('fork', 'forkserver'),
                         default='forkserver',
