@@ -11,7 +11,6 @@ import subprocess
 import threading
 import time
 
-import mpi_launch
 import numpy
 from PIL import Image
 
@@ -93,6 +92,7 @@ def run_mpi(command, cwd, timeout):
 
     Fails the test with the output's tail on a non-zero exit or a timeout.
     """
+    import mpi_launch  # scripts/ is importable in pytest (conftest.py) only
     returncode, output, timed_out = mpi_launch.run(command, timeout, cwd=cwd)
     assert not timed_out, 'timed out after {} s:\n{}'.format(
         timeout, output[-5000:])

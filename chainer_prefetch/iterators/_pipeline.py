@@ -142,6 +142,7 @@ class Pipeline:
         self._free_buffers = []
         self._all_buffers = []
         self._exhausted = False
+        self._delivered = 0
         self._restart_state = None
         self._generation = 0
         self._owner_pid = os.getpid()
@@ -276,6 +277,7 @@ class Pipeline:
                 self._release_buffer_if_idle(head)
             if generation == self._generation:  # no reset meanwhile
                 self._ready.append(item)
+                self._delivered += 1
             self._cond.notify_all()
         return True
 
@@ -292,8 +294,14 @@ class Pipeline:
         self._exhausted = False
 
     def _generate(self):
-        """Stage 1: index lists up to ``n_copy_ahead`` batches ahead; starts stage 2."""
-        while not self._exhausted and len(self._in_flight) < self._n_copy_ahead:
+        """Stage 1: index lists up to ``n_copy_ahead`` batches ahead; starts stage 2.
+
+        The window opens one batch per batch delivered ("slow start"): at
+        start-up, copies for batches far ahead would take CPU and storage
+        bandwidth from the files the first batch needs.
+        """
+        window = min(self._n_copy_ahead, DECODE_WINDOW + self._delivered)
+        while not self._exhausted and len(self._in_flight) < window:
             try:
                 self._state, indices = _statemachine.iterator_statemachine(
                     self._state, self._batch_size, self._repeat,

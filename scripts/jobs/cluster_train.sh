@@ -11,7 +11,7 @@ PROCS_PER_NODE=${PROCS_PER_NODE:-4}          # = GPUs per node
 DATA_ROOT=${DATA_ROOT:-/lustre/${USER:-$(id -un)}/imagenet}   # dataset on shared storage
 TRAIN_LIST=${TRAIN_LIST:-$DATA_ROOT/train.txt}
 VAL_LIST=${VAL_LIST:-$DATA_ROOT/val.txt}
-MEAN=${MEAN:-$DATA_ROOT/mean.npy}            # '' = subtract 128
+MEAN=${MEAN-$DATA_ROOT/mean.npy}             # MEAN='' subtracts 128 instead
 LOCAL_DIR=${LOCAL_DIR:-${TMPDIR:-/tmp}/chainer_prefetch_${USER:-$(id -un)}}   # node-local SSD
 ITERATOR=${ITERATOR:-prefetch}               # prefetch | multiprocess
 ARCH=${ARCH:-resnet50}
@@ -20,7 +20,7 @@ BATCHSIZE=${BATCHSIZE:-32}                   # per process
 EPOCHS=${EPOCHS:-10}
 LOADERJOB=${LOADERJOB:-2}                    # loader processes per rank (paper: 2)
 COPY_THREADS=${COPY_THREADS:-16}             # copy threads per rank
-GPU_ARGS=${GPU_ARGS:---gpu}                  # '' for a CPU-only run (naive communicator)
+GPU_ARGS=${GPU_ARGS---gpu}                   # GPU_ARGS='' for a CPU-only run (naive communicator)
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 MPIRUN=${MPIRUN:-mpirun}
 NODES=${NODES:-1}
