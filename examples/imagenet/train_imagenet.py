@@ -17,7 +17,7 @@ as read by ``chainer.datasets.LabeledImageDataset``)::
     mpiexec -n K python train_imagenet.py train.txt val.txt \\
         --root /shared/imagenet --mean mean.npy --arch resnet50 \\
         --batchsize 32 --epoch 90 --loaderjob 4 \\
-        --local-dir /local/ssd/$USER/prefetch --copy-threads 8 --gpu
+        --local-dir /local/ssd/$USER/prefetch --copy-threads 16 --gpu
 
     # CPU smoke test, 2 processes on one machine:
     mpiexec --oversubscribe -n 2 python train_imagenet.py train.txt val.txt \\
