@@ -234,7 +234,9 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         (hits), ``files_failed_source``, ``examples_staged``,
         ``examples_not_staged``, ``copy_seconds`` (summed over copy threads),
         ``local_storage_error`` (why staging stopped, or ``None``),
-        ``examples_from_local`` / ``examples_from_source`` (what stage 3 read),
+        ``examples_from_local`` / ``examples_from_source`` (what stage 3
+        loaded, including batches prefetched but not consumed yet, or
+        dropped by a reset; later epochs count as hits again),
         ``batches``, ``consumer_wait_seconds`` (time ``next()`` waited) and
         ``first_batch_seconds`` (the first ``next()`` call, start-up
         included).
