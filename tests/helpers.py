@@ -87,6 +87,22 @@ def make_colour_dataset(root, n_train=48, n_val=16, size=40, seed=0):
     return lists
 
 
+class FailingDataset:
+    """``n`` small arrays; ``get_example(bad)`` raises ValueError."""
+
+    def __init__(self, n, bad):
+        self.n = n
+        self.bad = bad
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise ValueError('broken example here')
+        return numpy.full((3,), i, dtype=numpy.float32)
+
+
 def run_mpi(command, cwd, timeout):
     """Runs an MPI command line (see scripts/mpi_launch.py); returns its output.
 

@@ -77,21 +77,6 @@ class SlowDataset(DatasetMixin):
         return numpy.full(4, i, numpy.float32), numpy.int32(i)
 
 
-class FailingDataset(DatasetMixin):
-
-    def __init__(self, n, bad):
-        self.n = n
-        self.bad = bad
-
-    def __len__(self):
-        return self.n
-
-    def get_example(self, i):
-        if i == self.bad:
-            raise ValueError('broken example here')
-        return numpy.full(4, i, numpy.float32), numpy.int32(i)
-
-
 # ---- correct data, and the local directory ----------------------------------
 
 def test_batches_equal_the_dataset_and_second_run_copies_nothing(images, tmp_path):
@@ -190,7 +175,7 @@ def test_missing_source_file_raises_sticky_error_until_reset(images, tmp_path):
 
 
 def test_exception_in_get_example_names_the_index(tmp_path):
-    dataset = FailingDataset(12, bad=5)
+    dataset = helpers.FailingDataset(12, bad=5)
     with _iterator(dataset, str(tmp_path / 'local'), batch_size=2) as it:
         started = time.monotonic()
         with pytest.raises(ExampleLoadError) as info:

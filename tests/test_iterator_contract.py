@@ -32,6 +32,8 @@ import chainer
 from chainer import iterators
 from chainer import serializers
 
+import helpers
+
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -227,20 +229,6 @@ class StallingDataset(object):
         if i == self.nth:
             time.sleep(self.sleep)
         return self.data[i]
-
-
-class FailingDataset(chainer.dataset.DatasetMixin):
-    def __init__(self, n, bad):
-        self.n = n
-        self.bad = bad
-
-    def __len__(self):
-        return self.n
-
-    def get_example(self, i):
-        if i == self.bad:
-            raise ValueError('cannot load this example')
-        return numpy.full((3,), i, dtype=numpy.float32)
 
 
 # sampler options: (id, kwargs builder); builders so each test gets a fresh
@@ -1066,7 +1054,7 @@ def test_get_example_error_surfaces(request, iterator_cls, make, bad,
                   'reference: an exception in a worker kills the prefetch '
                   'thread and next() blocks forever')
     before = child_pids()
-    dataset = FailingDataset(16, bad)
+    dataset = helpers.FailingDataset(16, bad)
     it = make(dataset, 2, shuffle=False, shared_mem=shared_mem,
               dataset_timeout=HANG)
     good = []

@@ -39,6 +39,7 @@ Custom datasets take part through a two-method protocol::
 A dataset with no files anywhere in its tree resolves to ``None``: the
 iterator then needs no staging at all.
 """
+import abc
 import bisect
 import copy
 import os
@@ -51,16 +52,17 @@ from chainer.datasets import (ConcatenatedDataset, DictDataset, ImageDataset,
 Locate = Callable[[str], str]
 
 
-class DatasetFiles:
+class DatasetFiles(abc.ABC):
     """The files of a dataset tree, example by example.
 
     Obtain one with :func:`resolve_dataset_files`.
     """
 
+    @abc.abstractmethod
     def files(self, index: int) -> Tuple[str, ...]:
         """Paths (as the dataset opens them) of the files example ``index`` reads."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def located(self, locate: Locate):
         """The dataset tree, rebuilt to read ``locate(path)`` instead of ``path``.
 
@@ -69,7 +71,6 @@ class DatasetFiles:
                 path the view reads instead.  Must be picklable when the
                 worker processes are started by ``forkserver`` or ``spawn``.
         """
-        raise NotImplementedError
 
 
 def resolve_dataset_files(dataset) -> Optional[DatasetFiles]:
