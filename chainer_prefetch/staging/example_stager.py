@@ -80,15 +80,12 @@ class ExampleStager:
             so the example may be read through the located view.
         """
         started = time.perf_counter()
-        try:
-            for source in self._files.files(index):
-                if not self._stage_file(source):
-                    self._counters.add(examples_not_staged=1)
-                    return False
-            self._counters.add(examples_staged=1)
-            return True
-        finally:
-            self._counters.add(copy_seconds=time.perf_counter() - started)
+        staged = all(self._stage_file(source)
+                     for source in self._files.files(index))
+        self._counters.add(examples_staged=int(staged),
+                           examples_not_staged=int(not staged),
+                           copy_seconds=time.perf_counter() - started)
+        return staged
 
     def _stage_file(self, source: str) -> bool:
         if source in self._verified and self._still_local(source):

@@ -194,16 +194,13 @@ class LocalDirectory:
         try:
             source_file = open(source, 'rb', buffering=0)
         except OSError as error:
-            raise SourceFileError(error.errno, 'cannot read {}: {}'.format(
-                source, error.strerror), source) from error
+            raise _source_error(error, source) from error
         with source_file:
             while True:
                 try:
                     chunk = source_file.read(_COPY_CHUNK_BYTES)
                 except OSError as error:
-                    raise SourceFileError(
-                        error.errno, 'cannot read {}: {}'.format(
-                            source, error.strerror), source) from error
+                    raise _source_error(error, source) from error
                 if not chunk:
                     break
                 try:
@@ -300,8 +297,7 @@ def _stat_source(source: str) -> os.stat_result:
     try:
         return os.stat(source)
     except OSError as error:
-        raise SourceFileError(error.errno, 'cannot read {}: {}'.format(
-            source, error.strerror), source) from error
+        raise _source_error(error, source) from error
 
 
 def _check_real_directory(path):
@@ -339,6 +335,11 @@ def _unlink_quietly(name, directory_fd) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+def _source_error(error: OSError, source: str) -> SourceFileError:
+    return SourceFileError(error.errno, 'cannot read {}: {}'.format(
+        source, error.strerror), source)
 
 
 def _local_error(error: OSError, path: str) -> LocalStorageError:
