@@ -195,15 +195,22 @@ def fill_local_dir(config):
         list(pool.map(directory.stage, sources))
 
 
-def run_in_child(config, timeout):
-    """Runs one measurement in a fresh Python process; returns its result."""
-    command = [sys.executable, os.path.abspath(__file__), '_run',
+def run_in_child(config, timeout, script=None):
+    """Runs one measurement in a fresh Python process; returns its result.
+
+    Args:
+        config: The run's settings (JSON-able), passed as ``_run CONFIG``.
+        timeout: Seconds before the child is killed.
+        script: The benchmark script whose ``_run`` entry runs it (this
+            one by default).
+    """
+    command = [sys.executable, os.path.abspath(script or __file__), '_run',
                json.dumps(config)]
     completed = subprocess.run(command, capture_output=True, text=True,
                                timeout=timeout)
     if completed.returncode != 0:
         raise RuntimeError('run {} failed:\n{}'.format(
-            config['method'], completed.stderr[-3000:]))
+            config.get('method', config), completed.stderr[-3000:]))
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
@@ -367,24 +374,58 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ['_run']:
-        print(json.dumps(run_one(json.loads(argv[1]))))
-        return 0
-    args = parse_args(argv)
-    # A SIGTERM (e.g. a job's time limit) still unmounts the emulated storage.
+def prepare(workdir, n_images):
+    """Common start of the benchmarks: signals, FUSE check, the dataset.
+
+    A SIGTERM (e.g. a job's time limit) is turned into an exit, so the
+    emulated storage still gets unmounted.
+
+    Args:
+        workdir: Where the dataset is generated (once) and kept.
+        n_images: Training images of the dataset.
+
+    Returns:
+        The dataset's folder (with ``train.txt``), or ``None`` when FUSE is
+        not usable (the reason is printed).
+    """
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     problem = shared_storage.fuse_problem()
     if problem:
         print('FUSE is not usable here: ' + problem, file=sys.stderr)
+        return None
+    dataset_dir = os.path.join(workdir, 'dataset-{}'.format(n_images))
+    if not os.path.exists(os.path.join(dataset_dir, 'train.txt')):
+        print('generating {} images into {}'.format(n_images, dataset_dir))
+        make_dataset.generate(dataset_dir, n_images, n_classes=100, seed=0)
+    return dataset_dir
+
+
+def answer_child(argv, run) -> bool:
+    """The child side of :func:`run_in_child`.
+
+    Args:
+        argv: The script's arguments.
+        run: The function measuring one run: ``run(config) -> dict``.
+
+    Returns:
+        ``True`` if ``argv`` was ``_run CONFIG``: the run's result has been
+        printed as the last line of JSON.
+    """
+    if argv[:1] != ['_run']:
+        return False
+    print(json.dumps(run(json.loads(argv[1]))))
+    return True
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if answer_child(argv, run_one):
+        return 0
+    args = parse_args(argv)
+    dataset_dir = prepare(args.workdir, args.n_images)
+    if dataset_dir is None:
         return 2
-    dataset_dir = os.path.join(args.workdir, 'dataset-{}'.format(args.n_images))
     list_file = os.path.join(dataset_dir, 'train.txt')
-    if not os.path.exists(list_file):
-        print('generating {} images into {}'.format(args.n_images, dataset_dir))
-        make_dataset.generate(dataset_dir, args.n_images,
-                              n_classes=100, seed=0)
     mountpoint = os.path.join(args.workdir, 'mnt')
     local_dir = os.path.join(args.workdir, 'local')
     copy_target = os.path.join(args.workdir, 'copy')

@@ -29,10 +29,11 @@ setup() {
     fi
     # shellcheck disable=SC1091
     . .venv/bin/activate
-    if ! python -c 'import chainer_prefetch, chainer, mfusepy, matplotlib' 2>/dev/null; then
+    if ! python -c 'import chainer_prefetch, chainer, mfusepy, matplotlib, pyarrow, petastorm' 2>/dev/null; then
         echo "installing Python packages into .venv"
         pip install -q --upgrade pip
         pip install -q -r requirements.txt
+        pip install -q --no-deps petastorm==0.13.1  # see requirements.txt
         pip install -q --no-build-isolation chainer==7.8.1
         pip install -q --no-build-isolation --no-deps -e .
     fi

@@ -2,7 +2,8 @@
 import numpy
 import pytest
 
-from chainer_prefetch.staging.eviction import next_use, simulate
+from chainer_prefetch.staging.eviction import (NEVER, FutureUses, ResidentSet,
+                                               next_use, simulate)
 
 UNIT = {item: 1 for item in 'abcde'}
 
@@ -51,7 +52,7 @@ def test_sizes_are_respected():
 def test_capacity_smaller_than_a_file_is_refused():
     with pytest.raises(ValueError, match='largest file'):
         simulate('ab', {'a': 5, 'b': 1}, 4, 'belady')
-    with pytest.raises(ValueError, match='unknown policy'):
+    with pytest.raises(ValueError, match='unknown eviction policy'):
         simulate('ab', UNIT, 4, 'fifo')
 
 
@@ -81,3 +82,54 @@ def test_random_epochs_local_share(fraction):
     assert shares['fill_once'] == pytest.approx(fraction)
     assert shares['belady'] >= fraction - 0.05, shares
     assert shares['lru'] < fraction - 0.15, shares
+
+
+def test_resident_set_belady_offers_the_farthest_and_bypasses():
+    resident = ResidentSet('belady')
+    resident.use('a', now=0, next_use=10)
+    resident.use('b', now=1, next_use=5)
+    resident.use('c', now=2, next_use=NEVER)
+    assert resident.victim(incoming_next_use=3) == 'c'
+    resident.remove('c')
+    assert resident.victim(incoming_next_use=3) == 'a'
+    # Needed after everything stored: the newcomer is the one left out.
+    assert resident.victim(incoming_next_use=11) is None
+    resident.use('a', now=10, next_use=12)  # used again: ranked anew
+    assert resident.victim(incoming_next_use=6) == 'a'
+
+
+def test_resident_set_lru_and_fill_once():
+    lru = ResidentSet('lru')
+    for now, item in enumerate('abc'):
+        lru.use(item, now=now, next_use=NEVER)
+    lru.use('a', now=3, next_use=NEVER)
+    assert lru.victim(incoming_next_use=0) == 'b'
+    fill_once = ResidentSet('fill_once')
+    fill_once.use('a', now=0, next_use=1)
+    assert fill_once.victim(incoming_next_use=100) is None
+
+
+def test_resident_set_forget_next_uses_makes_everything_evictable():
+    resident = ResidentSet('belady')
+    resident.use('a', now=0, next_use=2)
+    assert resident.victim(incoming_next_use=5) is None
+    resident.forget_next_uses()
+    assert resident.victim(incoming_next_use=5) == 'a'
+
+
+def test_future_uses_across_the_epoch_boundary():
+    future = FutureUses(epoch_size=4)
+    future.add_epoch(0, [2, 0, 3, 1])
+    future.add_epoch(1, [1, 3, 0, 2])
+    # index 0: position 1 of epoch 0 (access 1), then position 2 of epoch 1.
+    assert future.following_use(0, after=0) == 1
+    assert future.following_use(0, after=1) == 4 + 2
+    assert future.following_use(2, after=0) == 4 + 3
+    assert future.following_use(2, after=5) == 7
+    # Epoch 2 is not drawn yet.
+    assert future.following_use(1, after=4) == NEVER
+    future.add_epoch(2, [0, 1, 2, 3])
+    assert future.following_use(1, after=4) == 9
+    future.add_epoch(3, [0, 1, 2, 3])
+    future.add_epoch(4, [0, 1, 2, 3])
+    assert future.following_use(0, after=0) == NEVER  # epoch 0 forgotten

@@ -329,7 +329,7 @@ def test_ctrl_c_ends_the_program_and_its_workers(images, tmp_path):
     process, workers, segments = _run_script(images, tmp_path)
     try:
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: the whole group
-        _, stderr = process.communicate(timeout=10)
+        _, stderr = process.communicate(timeout=30)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

@@ -6,12 +6,22 @@ One *pipeline thread* owns the order and every batch in flight::
                                  at most ``n_copy_ahead`` batches ahead of the
                                  consumer (bounded queue 1)
     stage 2 (copy threads)      ExampleStager.stage(index) per example
-    stage 3 (worker processes)  load_example(...) per example, as soon as its
+    stage 3 (worker processes)  load_examples(...) per example, as soon as its
                                  files are local, for the first
                                  ``DECODE_WINDOW`` batches (bounded queue 2)
     delivery                    the head batch, once complete, is unpacked
                                  from shared memory into ``ready`` (at most
                                  ``n_prefetch`` batches), which ``get`` pops.
+
+Stage 1 draws each epoch's successor order when the epoch starts
+(:mod:`._lookahead`), so the accesses of the next one to two epochs are known
+at every moment: :class:`~chainer_prefetch.staging.eviction.FutureUses` turns
+them into "next use" numbers for the eviction policy of a capacity-limited
+local directory, and the optional next-epoch cache (:mod:`._next_epoch_cache`)
+keeps the examples the next epoch needs first: delivery offers them a copy,
+stage 3 takes them instead of loading.  With a capacity limit, the batch
+next to be delivered does not wait for copies no thread has started: their
+examples are read from the source.
 
 Events (a copy finished, an example loaded, the consumer took a batch, a
 reset, a stop) are signalled on one condition variable; the pipeline thread
@@ -21,6 +31,7 @@ after the last worker that writes into it has finished.
 """
 import collections
 import concurrent.futures
+import copy
 import concurrent.futures.thread
 import functools
 import os
@@ -31,12 +42,12 @@ import weakref
 from multiprocessing import shared_memory
 from typing import Optional
 
-from chainer.iterators import _statemachine
 from chainer.iterators.multiprocess_iterator import _measure, _unpack
 
 from chainer_prefetch.errors import ExampleLoadError
-from chainer_prefetch.iterators import _worker
+from chainer_prefetch.iterators import _lookahead, _worker
 from chainer_prefetch.iterators._worker_pool import WorkerDiedError, WorkerPool
+from chainer_prefetch.staging.eviction import FutureUses
 
 #: Batches whose examples stage 3 loads at the same time.  Two keep every
 #: worker busy across a batch boundary.
@@ -60,13 +71,21 @@ def _close_live_pipelines():
 threading._register_atexit(_close_live_pipelines)
 
 
+def _epoch_counts():
+    return {'examples_from_local': 0, 'examples_from_source': 0,
+            'examples_from_cache': 0, 'bytes_from_source': 0,
+            'bytes_copied': 0}
+
+
 class _Batch:
     """A batch between stage 1 and delivery."""
 
-    def __init__(self, indices, state):
+    def __init__(self, indices, state, first_access, following):
         self.indices = indices
         self.state = state
         self.size = len(indices)
+        self.first_access = first_access  # access number of indices[0]
+        self.following = following  # access number of each one's next use
         self.use_local = [False] * self.size
         self.staged_positions = collections.deque()  # ready for stage 3
         self.copy_futures = []
@@ -76,6 +95,7 @@ class _Batch:
         self.buffer: Optional[shared_memory.SharedMemory] = None
         self.error: Optional[BaseException] = None
         self.stale = False
+        self.from_cache = set()  # positions served by the next-epoch cache
 
     @property
     def complete(self):
@@ -115,12 +135,15 @@ class Pipeline:
             replaced.
         stop_event (threading.Event): Set by :meth:`close`; the stager's
             waits for other processes' copies watch it.
+        next_epoch_cache (NextEpochCache or None): Keeps examples the next
+            epoch needs first; see
+            :mod:`chainer_prefetch.iterators._next_epoch_cache`.
     """
 
     def __init__(self, dataset, located_dataset, stager, state, batch_size,
                  repeat, order_sampler, n_processes, n_copy_threads,
                  n_copy_ahead, n_prefetch, shared_mem, maxtasksperchild,
-                 stop_event):
+                 stop_event, next_epoch_cache=None):
         self._dataset = dataset
         self._dataset_length = len(dataset)
         self._located_dataset = located_dataset
@@ -153,6 +176,19 @@ class Pipeline:
         self._workers = None
         self.examples_from_local = 0
         self.examples_from_source = 0
+        #: epoch -> {'examples_from_local', 'examples_from_source' (stage 3),
+        #: 'bytes_from_source' (stage 3), 'bytes_copied' (stage 2)} for the
+        #: accesses of that epoch.
+        self.by_epoch = collections.defaultdict(_epoch_counts)
+        self._future = FutureUses(self._dataset_length)
+        self._cache = next_epoch_cache
+        self.next_epoch_cache = next_epoch_cache  # read by the iterator's stats
+        self._dispatch_epoch = 0
+        # With a capacity limit, stage 3 does not wait for a copy that has
+        # not started when its batch is the next to deliver: it reads the
+        # source.
+        self._read_source_if_not_copying = (stager is not None
+                                            and stager.limited)
 
     # ---- life cycle -------------------------------------------------------
 
@@ -289,6 +325,11 @@ class Pipeline:
                     future.cancel()
                 self._release_buffer_if_idle(batch)
         self._in_flight.clear()
+        self._future.clear()
+        if self._cache is not None:
+            self._cache.clear()
+        if self._stager is not None:
+            self._stager.forget_next_uses()
         self._state = self._restart_state
         self._restart_state = None
         self._exhausted = False
@@ -302,10 +343,13 @@ class Pipeline:
         """
         window = min(self._n_copy_ahead, DECODE_WINDOW + self._delivered)
         while not self._exhausted and len(self._in_flight) < window:
+            first_access = (self._state.epoch * self._dataset_length
+                            + self._state.current_position)
             try:
-                self._state, indices = _statemachine.iterator_statemachine(
+                self._state, indices = _lookahead.lookahead_statemachine(
                     self._state, self._batch_size, self._repeat,
                     self._order_sampler, self._dataset_length)
+                self._register_orders()
             except Exception as error:
                 self._in_flight.append(Failure(error))
                 self._exhausted = True
@@ -314,24 +358,54 @@ class Pipeline:
                 self._in_flight.append(EndOfData(self._state))
                 self._exhausted = True
                 return
-            batch = _Batch(indices, self._state)
+            following = [
+                self._future.following_use(int(index), first_access + position)
+                for position, index in enumerate(indices)]
+            batch = _Batch(indices, self._state, first_access, following)
             self._in_flight.append(batch)
             if self._stager is None or self._stager.disabled:
                 batch.staged_positions.extend(range(batch.size))
                 continue
             for position, index in enumerate(indices):
-                future = self._copy_pool.submit(self._stager.stage, int(index))
+                if self._cached(int(index), first_access + position):
+                    batch.staged_positions.append(position)  # no copy needed
+                    continue
+                if self._stager.stage_if_local(int(index),
+                                               first_access + position):
+                    batch.use_local[position] = True
+                    batch.staged_positions.append(position)
+                    continue
+                future = self._copy_pool.submit(
+                    self._stager.stage, int(index), first_access + position)
                 batch.copy_futures.append(future)
                 future.add_done_callback(
                     functools.partial(self._on_staged, batch, position))
+
+    def _register_orders(self):
+        """Tells FutureUses (and the cache) the orders of the state's epoch and the next."""
+        for epoch in (self._state.epoch, self._state.epoch + 1):
+            order = _lookahead.order_of_epoch(self._state, epoch,
+                                              self._dataset_length)
+            if order is not None:
+                self._future.add_epoch(epoch, order)
+                if self._cache is not None and epoch > 0:
+                    self._cache.plan(epoch, order)
+
+    def _cached(self, index, access):
+        return (self._cache is not None and self._cache.holds(
+            index, access // self._dataset_length))
 
     def _on_staged(self, batch, position, future):
         with self._cond:
             if batch.stale:
                 return
-            batch.use_local[position] = (not future.cancelled()
-                                         and future.exception() is None
-                                         and future.result())
+            staged = False
+            if not future.cancelled() and future.exception() is None:
+                staged, copied = future.result()
+                access = batch.first_access + position
+                self.by_epoch[access // self._dataset_length][
+                    'bytes_copied'] += copied
+            batch.use_local[position] = staged
             batch.staged_positions.append(position)
             self._cond.notify_all()
 
@@ -346,34 +420,56 @@ class Pipeline:
                 continue
             if batch.buffer is None and self._free_buffers:
                 batch.buffer = self._free_buffers.pop()
+            if self._read_source_if_not_copying and window == 1:
+                # The next batch to deliver: what no copy thread has started
+                # is read from the source (the callback queues it).
+                for future in batch.copy_futures:
+                    future.cancel()
+            positions = []
             while batch.staged_positions:
                 position = batch.staged_positions.popleft()
-                self._submit_load(batch, position)
+                if not (self._cache is not None and self._take_from_cache(
+                        batch, position, int(batch.indices[position]))):
+                    positions.append(position)
+            for chunk in self._chunks(positions):
+                self._submit_loads(batch, chunk)
 
-    def _submit_load(self, batch, position):
-        index = int(batch.indices[position])
-        use_local = batch.use_local[position]
-        if batch.buffer is None:
-            name = offset = limit = None
+    def _chunks(self, positions):
+        """Splits positions staged together into one task per worker.
+
+        One task per example costs a round trip each; examples that become
+        ready together (warm local copies, data in memory) go as one task
+        per worker instead.  With ``maxtasksperchild`` a task stays one
+        example, so the limit keeps counting examples.
+        """
+        if self._maxtasksperchild is not None:
+            size = 1
         else:
-            name = batch.buffer.name
-            offset = position * self._example_bytes
-            limit = offset + self._example_bytes
+            size = max(1, -(-len(positions) // self._n_processes))
+        return [positions[start:start + size]
+                for start in range(0, len(positions), size)]
+
+    def _submit_loads(self, batch, positions):
+        tasks = []
+        for position in positions:
+            if batch.buffer is None:
+                offset = limit = None
+            else:
+                offset = position * self._example_bytes
+                limit = offset + self._example_bytes
+            tasks.append((int(batch.indices[position]),
+                          batch.use_local[position], offset, limit))
+        name = None if batch.buffer is None else batch.buffer.name
         try:
-            future = self._workers.submit(_worker.load_example, index,
-                                          use_local, name, offset, limit)
+            future = self._workers.submit(_worker.load_examples, tasks, name)
         except RuntimeError as error:  # closed while shutting down
-            batch.error = self._load_error(index, error)
+            batch.error = self._load_error(tasks[0][0], error)
             return
         batch.outstanding += 1
-        if use_local:
-            self.examples_from_local += 1
-        else:
-            self.examples_from_source += 1
         future.add_done_callback(
-            functools.partial(self._on_loaded, batch, position, index))
+            functools.partial(self._on_loaded, batch, positions))
 
-    def _on_loaded(self, batch, position, index, future):
+    def _on_loaded(self, batch, positions, future):
         with self._cond:
             batch.outstanding -= 1
             if batch.stale or future.cancelled():  # reset, or shutting down
@@ -381,12 +477,66 @@ class Pipeline:
                 return
             error = future.exception()
             if error is not None:
-                if batch.error is None:
-                    batch.error = self._load_error(index, error)
+                results = [(None, error)] * len(positions)
             else:
-                batch.results[position] = future.result()
+                results = future.result()
+            for position, (loaded, failure) in zip(positions, results):
+                index = int(batch.indices[position])
+                if failure is not None:
+                    if batch.error is None:
+                        batch.error = self._load_error(index, failure)
+                    break
+                batch.results[position], read_locally = loaded
                 batch.loaded += 1
+                self._count_load(batch, position, index, read_locally)
             self._cond.notify_all()
+
+    def _take_from_cache(self, batch, position, index) -> bool:
+        access = batch.first_access + position
+        epoch = access // self._dataset_length
+        if epoch > self._dispatch_epoch:  # what earlier epochs left is useless
+            self._dispatch_epoch = epoch
+            self._cache.forget_before(epoch)
+        example = self._cache.take(index, epoch)
+        if example is None:
+            return False
+        batch.results[position] = example
+        batch.from_cache.add(position)
+        batch.loaded += 1
+        self.by_epoch[epoch]['examples_from_cache'] += 1
+        if self._stager is not None:
+            self._stager.loaded(index, access, batch.following[position])
+        return True
+
+    def _offer_to_cache(self, batch, examples):
+        """Copies the examples the next epoch's prefix wants (outside the lock)."""
+        offers = []
+        for position, example in enumerate(examples):
+            index = int(batch.indices[position])
+            epoch = (batch.first_access + position) // self._dataset_length
+            with self._cond:
+                wanted = self._cache.wants(index, epoch + 1)
+            if wanted:
+                offers.append((index, epoch + 1, copy.deepcopy(example),
+                               _measure(example)))
+        if offers:
+            with self._cond:
+                for offer in offers:
+                    self._cache.offer(*offer)
+
+    def _count_load(self, batch, position, index, read_locally):
+        access = batch.first_access + position
+        counts = self.by_epoch[access // self._dataset_length]
+        if read_locally:
+            self.examples_from_local += 1
+            counts['examples_from_local'] += 1
+        else:
+            self.examples_from_source += 1
+            counts['examples_from_source'] += 1
+            if self._stager is not None:
+                counts['bytes_from_source'] += self._stager.example_bytes(index)
+        if self._stager is not None:
+            self._stager.loaded(index, access, batch.following[position])
 
     def _load_error(self, index, error):
         if self._stager is not None:
@@ -411,8 +561,12 @@ class Pipeline:
             examples = head.results
         else:
             memory = head.buffer.buf
-            examples = [_unpack(result, memory) for result in head.results]
+            examples = [result if position in head.from_cache
+                        else _unpack(result, memory)
+                        for position, result in enumerate(head.results)]
         head.results = None
+        if self._cache is not None:
+            self._offer_to_cache(head, examples)
         if self._example_bytes is None:
             self._example_bytes = max(map(_measure, examples))
             with self._cond:

@@ -53,29 +53,44 @@ def _exit_when_orphaned(parent_pid):
     os._exit(1)
 
 
-def load_example(index, use_local_copies, buffer_name, offset, limit):
-    """Loads one example, packing its arrays into shared memory if given.
+def load_examples(tasks, buffer_name):
+    """Loads examples, packing their arrays into shared memory if given.
+
+    When the local copies cannot be read (another process sharing the
+    directory evicted one after stage 2 checked it), an example is loaded
+    from shared storage instead.
 
     Args:
-        index (int): Index into the dataset.
-        use_local_copies (bool): Read through the located view.
+        tasks: ``(index, use_local_copies, offset, limit)`` per example:
+            the index into the dataset, whether to read through the located
+            view, and the example's region ``[offset, limit)`` in the buffer.
         buffer_name (str or None): Name of the shared memory buffer of the
-            example's batch; ``None`` to return arrays by pickling.
-        offset (int): First byte of this example's region in the buffer.
-        limit (int): One past the last byte of the region.
+            examples' batch; ``None`` to return arrays by pickling.
 
-    Raises:
-        ExampleLoadError: the dataset raised; the message keeps its traceback.
+    Returns:
+        One ``((example, read_locally), None)`` per task, or, from the first
+        example that fails, ``(None, ExampleLoadError)`` (with the
+        traceback in its message) and nothing after it.
     """
-    dataset = _located_dataset if use_local_copies else _original_dataset
-    try:
-        example = dataset[index]
-    except Exception as error:
-        raise ExampleLoadError('{}: {}\n{}'.format(
-            type(error).__name__, error, traceback.format_exc())) from None
-    if buffer_name is not None:
-        example = _pack(example, _attach(buffer_name), offset, limit)
-    return example
+    results = []
+    for index, use_local_copies, offset, limit in tasks:
+        example = None
+        if use_local_copies:
+            try:
+                example = _located_dataset[index]
+            except Exception:
+                use_local_copies = False  # the source's error is the one to report
+        if not use_local_copies:
+            try:
+                example = _original_dataset[index]
+            except Exception as error:
+                results.append((None, ExampleLoadError('{}: {}\n{}'.format(
+                    type(error).__name__, error, traceback.format_exc()))))
+                break
+        if buffer_name is not None:
+            example = _pack(example, _attach(buffer_name), offset, limit)
+        results.append(((example, use_local_copies), None))
+    return results
 
 
 def _attach(name):

@@ -7,11 +7,14 @@ import weakref
 
 import numpy
 from chainer.dataset import iterator
-from chainer.iterators import MultiprocessIterator, _statemachine
+from chainer.iterators import MultiprocessIterator
 from chainer.iterators.order_samplers import ShuffleOrderSampler
 
+from chainer_prefetch.iterators import _lookahead
+from chainer_prefetch.iterators._next_epoch_cache import NextEpochCache
 from chainer_prefetch.iterators._pipeline import EndOfData, Failure, Pipeline
 from chainer_prefetch.staging.dataset_files import resolve_dataset_files
+from chainer_prefetch.staging.eviction import POLICIES
 from chainer_prefetch.staging.example_stager import (ExampleStager,
                                                      StagingCounters)
 from chainer_prefetch.staging.local_directory import (LocalDirectory,
@@ -46,7 +49,13 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
     ``current_position``, ``reset()``, ``serialize()`` (snapshots are
     interchangeable with ``MultiprocessIterator``'s and ``SerialIterator``'s),
     ``StopIteration`` with ``repeat=False``, and, with the same random state,
-    the same examples in the same order.
+    the same examples in the same order.  One difference in timing: the
+    order of epoch ``e + 1`` is drawn when epoch ``e`` starts (with the
+    arguments Chainer would pass at its end), and saved by ``serialize()``
+    as ``next_order``, so a resumed run continues with the same orders.
+    With an order sampler of its own ``RandomState`` nothing else changes;
+    one that shares NumPy's global random state with other code sees that
+    state one draw ahead.
 
     Which files an example reads is found through Chainer's dataset wrappers
     or a two-method protocol: see :mod:`chainer_prefetch.staging.dataset_files`.
@@ -94,6 +103,33 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             (12 and 16 performed alike, 8 did not).
         n_copy_ahead (int): How many batches stages 1-2 may run ahead of
             training.  Bounds memory and the files staged but not yet used.
+        local_capacity (int): Limit in bytes of the copies under
+            ``local_dir``, for nodes whose local storage is smaller than the
+            dataset.  The limit is per directory and enforced jointly by
+            every process using it (a ledger file under ``flock``; see
+            :mod:`chainer_prefetch.staging.capacity`): give every iterator
+            sharing the directory the same value.  Construction reads the
+            size of every file of the dataset (one ``stat`` each, in
+            parallel) and refuses a limit smaller than the largest.  Copies
+            that would exceed the limit evict others by ``eviction_policy``
+            or are left on shared storage, which stage 3 then reads
+            directly; stage 3 also reads the source, instead of waiting,
+            for an example whose copy has not started when its batch is
+            next.
+        next_epoch_cache_examples (int): Enables the next-epoch cache: while
+            an epoch runs, keep in memory (in this process) the examples
+            that the next epoch needs first, at most this many, so that the
+            next epoch serves them without storage reads or decoding.  The
+            order of examples is unchanged.  See
+            :mod:`chainer_prefetch.iterators._next_epoch_cache`.
+        next_epoch_cache_bytes (int): Enables the cache with a bound in
+            bytes of example arrays (both bounds apply when both are given).
+        eviction_policy (str): With ``local_capacity``: ``'belady'``
+            (default: drop the example needed farthest in the future, known
+            because the next epoch's order is drawn one epoch early; keep a
+            newcomer out when it is needed after everything stored),
+            ``'lru'`` (least recently used) or ``'fill_once'`` (keep the
+            first copies that fit, never evict).
 
     Attributes:
         stats (dict): Counters of what each stage did (see :attr:`stats`).
@@ -105,12 +141,15 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
     _finalized = False
     _pipeline = None
     _stop_event = None  # finalize() may run on a half-constructed object
+    _stager = None
 
     def __init__(self, dataset, batch_size, repeat=True, shuffle=None,
                  n_processes=None, n_prefetch=1, shared_mem=None,
                  order_sampler=None, dataset_timeout=30.0,
                  maxtasksperchild=None, *, local_dir=None, n_copy_threads=16,
-                 n_copy_ahead=16):
+                 n_copy_ahead=16, local_capacity=None,
+                 eviction_policy='belady', next_epoch_cache_examples=None,
+                 next_epoch_cache_bytes=None):
         _check_positive_int('batch_size', batch_size)
         _check_positive_int('n_copy_threads', n_copy_threads)
         _check_positive_int('n_copy_ahead', n_copy_ahead)
@@ -118,6 +157,16 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             _check_positive_int('n_processes', n_processes)
         if maxtasksperchild is not None:
             _check_positive_int('maxtasksperchild', maxtasksperchild)
+        if local_capacity is not None:
+            _check_positive_int('local_capacity', local_capacity)
+        for name, value in (('next_epoch_cache_examples',
+                             next_epoch_cache_examples),
+                            ('next_epoch_cache_bytes', next_epoch_cache_bytes)):
+            if value is not None:
+                _check_positive_int(name, value)
+        if eviction_policy not in POLICIES:
+            raise ValueError('eviction_policy must be one of {}, got {!r}'
+                             .format(', '.join(POLICIES), eviction_policy))
         self.dataset = dataset
         self.batch_size = batch_size
         self.repeat = repeat
@@ -130,6 +179,10 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         self.local_dir = local_dir
         self.n_copy_threads = n_copy_threads
         self.n_copy_ahead = n_copy_ahead
+        self.local_capacity = local_capacity
+        self.eviction_policy = eviction_policy
+        self.next_epoch_cache_examples = next_epoch_cache_examples
+        self.next_epoch_cache_bytes = next_epoch_cache_bytes
 
         if shuffle is not None:
             if order_sampler is not None:
@@ -170,16 +223,24 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                           'instead.'.format(error))
             return
         self._located_dataset = files.located(self._local_directory.path_map)
-        self._stager = ExampleStager(files, self._local_directory,
-                                     self._counters)
+        self._stager = ExampleStager(
+            files, self._local_directory, self._counters,
+            capacity_bytes=self.local_capacity,
+            eviction_policy=self.eviction_policy,
+            n_examples=len(self.dataset), n_stat_threads=self.n_copy_threads)
 
     def _start_pipeline(self):
+        cache = None
+        if (self.next_epoch_cache_examples is not None
+                or self.next_epoch_cache_bytes is not None):
+            cache = NextEpochCache(self.next_epoch_cache_examples,
+                                   self.next_epoch_cache_bytes)
         self._pipeline = Pipeline(
             self.dataset, self._located_dataset, self._stager, self._state,
             self.batch_size, self.repeat, self.order_sampler,
             self.n_processes, self.n_copy_threads, self.n_copy_ahead,
             self.n_prefetch, self.shared_mem, self.maxtasksperchild,
-            self._stop_event)
+            self._stop_event, cache)
         # Stops the pipeline when this iterator is garbage collected or the
         # interpreter exits, even if finalize() is never called.
         self._pipeline_finalizer = weakref.finalize(self, self._pipeline.close)
@@ -239,12 +300,30 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         dropped by a reset; later epochs count as hits again),
         ``batches``, ``consumer_wait_seconds`` (time ``next()`` waited) and
         ``first_batch_seconds`` (the first ``next()`` call, start-up
-        included).
+        included).  With ``local_capacity``: ``examples_bypassed`` (left on
+        shared storage by the policy), ``files_evicted``, ``bytes_evicted``
+        and ``local_bytes_used`` (the directory's ledger, all processes).
+        ``next_epoch_cache``: ``examples_cached``, ``examples_replaced``
+        (by ones earlier in the next order), ``hits``, ``bytes_cached``,
+        ``held_bytes``, or ``None`` without the cache.
+        ``by_epoch`` maps each epoch to what its accesses cost:
+        ``examples_from_local``, ``examples_from_source``,
+        ``examples_from_cache`` (the next-epoch cache), and the bytes
+        they read from shared storage, ``bytes_copied`` (stage 2) and
+        ``bytes_from_source`` (stage 3).
         """
         values = self._counters.snapshot()
         pipeline = self._pipeline
         values['examples_from_local'] = pipeline.examples_from_local if pipeline else 0
         values['examples_from_source'] = pipeline.examples_from_source if pipeline else 0
+        values['by_epoch'] = ({epoch: dict(counts) for epoch, counts
+                               in sorted(pipeline.by_epoch.items())}
+                              if pipeline else {})
+        cache = pipeline and pipeline.next_epoch_cache
+        values['next_epoch_cache'] = (dict(cache.counters, held_bytes=(
+            cache.held_bytes)) if cache else None)
+        values['local_bytes_used'] = (self._stager.local_bytes_used()
+                                      if self._stager else None)
         values['batches'] = self._batches_delivered
         values['consumer_wait_seconds'] = self._consumer_wait_seconds
         values['first_batch_seconds'] = self._first_batch_seconds
@@ -260,6 +339,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         if self._pipeline is not None:
             self._pipeline_finalizer()  # runs Pipeline.close once
             self._pipeline = None
+        if self._stager is not None:
+            self._stager.close()
 
     def __copy__(self):
         other = PrefetchMultiprocessIterator(
@@ -268,9 +349,12 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             shared_mem=self.shared_mem, order_sampler=self.order_sampler,
             dataset_timeout=self.dataset_timeout,
             maxtasksperchild=self.maxtasksperchild, local_dir=self.local_dir,
-            n_copy_threads=self.n_copy_threads, n_copy_ahead=self.n_copy_ahead)
-        other._reset_state(self.current_position, self.epoch,
-                           self.is_new_epoch, self._state.order)
+            n_copy_threads=self.n_copy_threads, n_copy_ahead=self.n_copy_ahead,
+            local_capacity=self.local_capacity,
+            eviction_policy=self.eviction_policy,
+            next_epoch_cache_examples=self.next_epoch_cache_examples,
+            next_epoch_cache_bytes=self.next_epoch_cache_bytes)
+        other._set_state(self._state)
         other._previous_epoch_detail = self._previous_epoch_detail
         return other
 
@@ -313,7 +397,15 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                 serializer('order', order)
             except KeyError:
                 serializer('_order', order)
-        self._reset_state(current_position, epoch, is_new_epoch, order)
+        next_order = self._state.next_order
+        if next_order is not None:
+            next_order = next_order.copy()
+        try:
+            next_order = serializer('next_order', next_order)
+        except KeyError:
+            next_order = None  # a MultiprocessIterator snapshot: draw it now
+        self._reset_state(current_position, epoch, is_new_epoch, order,
+                          next_order)
         try:
             self._previous_epoch_detail = serializer(
                 'previous_epoch_detail', self._previous_epoch_detail)
@@ -328,21 +420,27 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                 self._previous_epoch_detail = -1.
 
     def reset(self):
-        """Goes back to the start of epoch 0 with a fresh order."""
-        if self.order_sampler is None:
-            order = None
-        else:
-            order = self.order_sampler(numpy.arange(len(self.dataset)), 0)
-        self._reset_state(0, 0, False, order)
+        """Goes back to the start of epoch 0 with a fresh order (and its successor)."""
+        self._check_not_finalized()
+        self._set_state(_lookahead.initial_state(
+            self.order_sampler, len(self.dataset), self.batch_size))
         self._previous_epoch_detail = -1.
 
-    def _reset_state(self, current_position, epoch, is_new_epoch, order):
+    def _reset_state(self, current_position, epoch, is_new_epoch, order,
+                     next_order=None):
+        self._check_not_finalized()
+        self._set_state(_lookahead.with_next_order(
+            (current_position, epoch, is_new_epoch, order),
+            self.order_sampler, self.batch_size, next_order))
+
+    def _check_not_finalized(self):
         if self._finalized:
             raise NotImplementedError(
                 'Reset of finalized PrefetchMultiprocessIterator is not '
                 'supported.')
-        self._state = _statemachine.IteratorState(
-            current_position, epoch, is_new_epoch, order)
+
+    def _set_state(self, state):
+        self._state = state
         self._error = None
         if self._pipeline is not None:
             self._pipeline.restart(self._state)
@@ -351,6 +449,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         state = {'current_position': self.current_position,
                  'epoch': self.epoch, 'is_new_epoch': self.is_new_epoch,
                  'order': self._state.order,
+                 'next_order': self._state.next_order,
                  'previous_epoch_detail': self._previous_epoch_detail}
         settings = {key: value for key, value in self.__dict__.items()
                     if key in _SETTINGS}
@@ -361,13 +460,16 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         self._initialize()
         state = pickled['state']
         self._reset_state(state['current_position'], state['epoch'],
-                          state['is_new_epoch'], state['order'])
+                          state['is_new_epoch'], state['order'],
+                          state.get('next_order'))
         self._previous_epoch_detail = state['previous_epoch_detail']
 
 
 _SETTINGS = ('dataset', 'batch_size', 'repeat', 'shuffle', 'n_processes',
              'n_prefetch', 'shared_mem', 'dataset_timeout', 'maxtasksperchild',
-             'local_dir', 'n_copy_threads', 'n_copy_ahead', 'order_sampler')
+             'local_dir', 'n_copy_threads', 'n_copy_ahead', 'order_sampler',
+             'local_capacity', 'eviction_policy', 'next_epoch_cache_examples',
+             'next_epoch_cache_bytes')
 
 
 def _check_positive_int(name, value):

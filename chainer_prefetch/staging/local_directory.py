@@ -37,6 +37,8 @@ import stat
 import threading
 from typing import Optional
 
+from chainer_prefetch.staging import derived_files
+
 _COPY_CHUNK_BYTES = 1 << 20
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 _LOCK_POLL_SECONDS = 0.01
@@ -129,14 +131,14 @@ class LocalDirectory:
             InterruptedError: ``stop_event`` was set while waiting.
         """
         if source_stat is None:
-            source_stat = _stat_source(source)
+            source_stat = stat_source(getattr(source, 'origin', source))
         if self.is_valid(source, source_stat):
             return 0  # one lstat; workers read this path the same way
         relative = self.path_map.relative(source)
         directory_fd = self._open_parent(relative)
         name = os.path.basename(relative)
         try:
-            if _is_valid_copy(directory_fd, name, source_stat):
+            if _is_valid_copy(directory_fd, name, source_stat, source):
                 return 0
             return self._copy_locked(source, source_stat, relative,
                                      directory_fd, name)
@@ -149,7 +151,36 @@ class LocalDirectory:
             local = os.lstat(self.local_path(source))
         except OSError:
             return False
-        return _matches(local, source_stat)
+        return _matches(local, source_stat, source)
+
+    def evict(self, source: str) -> int:
+        """Removes the copy of ``source``, if there is one.
+
+        A process that has the copy open keeps reading it (the data go when
+        the last descriptor closes); one that opens it afterwards finds it
+        missing and reads ``source`` instead.
+
+        Returns:
+            The size of the removed copy, or 0 if there was none (another
+            process may have removed it first).
+        """
+        relative = self.path_map.relative(source)
+        try:
+            directory_fd = self._open_parent(relative)
+        except LocalStorageError:
+            return 0
+        name = os.path.basename(relative)
+        try:
+            size = os.stat(name, dir_fd=directory_fd,
+                           follow_symlinks=False).st_size
+            os.unlink(name, dir_fd=directory_fd)
+            return size
+        except FileNotFoundError:
+            return 0
+        except OSError as error:
+            raise _local_error(error, self.local_path(source))
+        finally:
+            os.close(directory_fd)
 
     def _copy_locked(self, source, source_stat, relative, directory_fd, name):
         part_name = hashlib.sha1(relative.encode('utf-8', 'surrogateescape')
@@ -162,7 +193,7 @@ class LocalDirectory:
                     self._lock(part_fd, source)
                     if not _same_file(part_fd, partial_fd, part_name):
                         continue  # renamed or removed while we waited: retry
-                    if _is_valid_copy(directory_fd, name, source_stat):
+                    if _is_valid_copy(directory_fd, name, source_stat, source):
                         _unlink_quietly(part_name, partial_fd)
                         return 0
                     try:
@@ -190,6 +221,8 @@ class LocalDirectory:
             os.ftruncate(part_fd, 0)
         except OSError as error:
             raise _local_error(error, destination)
+        if hasattr(source, 'write_local_form'):
+            return derived_files.fill(part_fd, source, source_stat, destination)
         copied = 0
         try:
             source_file = open(source, 'rb', buffering=0)
@@ -293,7 +326,8 @@ class LocalDirectory:
         return removed
 
 
-def _stat_source(source: str) -> os.stat_result:
+def stat_source(source: str) -> os.stat_result:
+    """``os.stat(source)``, raising :class:`SourceFileError` naming the file."""
     try:
         return os.stat(source)
     except OSError as error:
@@ -307,17 +341,21 @@ def _check_real_directory(path):
             errno.ENOTDIR, 'not a real directory (symlink?)', path)
 
 
-def _matches(local: os.stat_result, source: os.stat_result) -> bool:
-    return (stat.S_ISREG(local.st_mode) and local.st_size == source.st_size
+def _matches(local: os.stat_result, source: os.stat_result,
+             path: str = '') -> bool:
+    # A derived file's size is not the source's (derived_files).
+    sized = not hasattr(path, 'write_local_form')
+    return (stat.S_ISREG(local.st_mode)
+            and (local.st_size == source.st_size or not sized)
             and local.st_mtime_ns == source.st_mtime_ns)
 
 
-def _is_valid_copy(directory_fd, name, source_stat) -> bool:
+def _is_valid_copy(directory_fd, name, source_stat, source='') -> bool:
     try:
         local = os.stat(name, dir_fd=directory_fd, follow_symlinks=False)
     except OSError:
         return False
-    return _matches(local, source_stat)
+    return _matches(local, source_stat, source)
 
 
 def _same_file(fd, directory_fd, name) -> bool:

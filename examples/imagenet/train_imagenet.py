@@ -221,7 +221,48 @@ def parse_args(argv=None):
                         help='log and validate every 10 iterations')
     parser.add_argument('--progress', action='store_true',
                         help='show a progress bar on rank 0')
+    add_fault_tolerance_arguments(parser)
     return parser.parse_args(argv)
+
+
+def add_fault_tolerance_arguments(parser):
+    """Options of ``--fault-tolerance`` (see train_fault_tolerant)."""
+    group = parser.add_argument_group(
+        'fault tolerance (docs/fault_tolerance.rst)')
+    group.add_argument('--fault-tolerance',
+                       choices=('respawn', 'shrink', 'checkpoint'),
+                       default=None,
+                       help='recover from a failed process in-process '
+                            '(respawn, shrink; needs mpirun --with-ft ulfm) '
+                            'or by snapshots and a relaunch (checkpoint)')
+    group.add_argument('--ulfm-missing', choices=('error', 'fallback'),
+                       default='error',
+                       help='without ULFM, stop (error) or fall back to '
+                            'checkpoint/restart with a warning')
+    group.add_argument('--lr-rule', choices=('linear', 'sqrt', 'constant'),
+                       default='linear',
+                       help='learning rate after shrink, from the new size')
+    group.add_argument('--min-size', type=int, default=1,
+                       help='fewest ranks shrink may continue with')
+    group.add_argument('--snapshot-interval', type=int, default=50,
+                       help='iterations between snapshots (checkpoint)')
+    group.add_argument('--stop-timeout', type=float, default=10.0,
+                       help='seconds a stopped (SIGSTOP) rank may stay so '
+                            'before it is killed and recovered from')
+    group.add_argument('--call-timeout', type=float, default=120.0,
+                       help='seconds a rank may wait in one MPI call before '
+                            'the job ends with a message')
+    group.add_argument('--ft-events', default=None,
+                       help='event log (JSON lines; default '
+                            'OUT/ft_events.jsonl)')
+    group.add_argument('--inject-failure', choices=('kill', 'stop', 'exit'),
+                       default=None,
+                       help='make --inject-rank fail once: SIGKILL, SIGSTOP '
+                            'or exit without MPI_Finalize')
+    group.add_argument('--inject-rank', type=int, default=1)
+    group.add_argument('--inject-iteration', type=int, default=None)
+    group.add_argument('--inject-seconds', type=float, default=None,
+                       help='fail this many seconds after training started')
 
 
 def set_start_method(method):
@@ -268,6 +309,9 @@ def main(argv=None):
 
     # Before MPI initialisation (inside create_communicator); see docstring.
     set_start_method(args.start_method)
+
+    if args.fault_tolerance is not None:
+        return train_fault_tolerant(args)
 
     comm = chainermn.create_communicator(args.communicator)
     if args.gpu:
@@ -373,6 +417,181 @@ def main(argv=None):
 
     # Trainer.run finalizes the updater's and the evaluator's iterators.
     trainer.run()
+
+
+def train_fault_tolerant(args):
+    """Training that survives a failed rank (``--fault-tolerance``).
+
+    * ``respawn`` / ``shrink``: the communicator is
+      ``chainer_prefetch.resilience``'s fault-tolerant one (CPU, ``naive``);
+      a failure is repaired in-process by ``FaultTolerantTraining``.  Every
+      rank keeps the whole example lists (they are small) so that any shard
+      can be rebuilt; a replacement started by ``respawn`` receives them
+      with the model, optimizer state, iteration and iterator position.
+    * ``checkpoint``: rank 0 writes ``OUT/snapshot_iter_N`` every
+      ``--snapshot-interval`` iterations and every rank loads the latest one
+      at start; ``python -m chainer_prefetch.resilience.launcher`` relaunches
+      the job after a failure.
+
+    Events (failure, recovery, start, first iteration, validation) go to
+    ``--ft-events`` for the experiments.
+    """
+    from chainer_prefetch.resilience import injection, launcher, policy
+    from chainer_prefetch.resilience.ulfm import check_ulfm
+    from chainer_prefetch.resilience.watchdog import WatchdogSettings
+    if args.gpu or args.communicator != 'naive':
+        sys.exit('--fault-tolerance runs on the CPU with the naive '
+                 'communicator (drop --gpu / --communicator)')
+    from chainer_prefetch.resilience import recovery, training as ft_training
+    from chainer_prefetch.resilience.communicator import (
+        FaultTolerantCommunicator)
+    from chainer_prefetch.resilience.errors import ProcessFailure
+    started = time.time()
+    watchdog = WatchdogSettings(args.stop_timeout, args.call_timeout)
+    strategy = args.fault_tolerance
+    package = None
+    if recovery.is_replacement():
+        comm, repair = recovery.join(watchdog)
+        package = ft_training.receive_package(comm, repair)
+        train, val = package['train'], package['val']
+        n_class = package['setup']
+    else:
+        comm = FaultTolerantCommunicator(watchdog=watchdog)
+        if strategy != 'checkpoint' and not check_ulfm(args.ulfm_missing):
+            strategy = 'checkpoint'
+        mean = np.load(args.mean) if args.mean else None
+        lists = None
+        if comm.rank == 0:
+            train = PreprocessedDataset(args.train, args.root, mean,
+                                        args.crop_size)
+            val = PreprocessedDataset(args.val, args.root, mean,
+                                      args.crop_size, random=False)
+            n_class = args.n_class or 1 + max(
+                int(label) for _, label in train.base._pairs)
+            lists = (train, val, n_class)
+        train, val, n_class = comm.bcast_obj(lists)
+    events = injection.EventLog(
+        args.ft_events or os.path.join(args.out, 'ft_events.jsonl'),
+        comm.rank)
+    restart = launcher.restart_count()
+    events.write('start', strategy=strategy, size=comm.size, restart=restart,
+                 replacement=package is not None, started=started)
+
+    device = chainer.get_device('@numpy')
+    model = chainer.links.Classifier(ARCHS[args.arch](n_class=n_class))
+    lr = args.lr * args.batchsize * comm.size / 256.0
+    optimizer = chainermn.create_multi_node_optimizer(
+        chainer.optimizers.MomentumSGD(lr=lr, momentum=args.momentum), comm)
+    optimizer.setup(model)
+    if args.weight_decay > 0:
+        optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
+            args.weight_decay))
+
+    def train_iterator(shard):
+        return make_iterator(args, shard, args.batchsize, True)
+
+    def val_iterator(shard):
+        return make_iterator(args, shard, args.val_batchsize, False)
+
+    updater = training.updaters.StandardUpdater(
+        train_iterator(ft_training.shard(train, comm.size, comm.rank,
+                                         args.seed)),
+        optimizer, device=device)
+    trainer = training.Trainer(updater, (args.epoch, 'epoch'), args.out)
+    interval = (10, 'iteration') if args.test else (1, 'epoch')
+    evaluator = chainermn.create_multi_node_evaluator(
+        extensions.Evaluator(val_iterator(ft_training.shard(
+            val, comm.size, comm.rank, None)), model, device=device), comm)
+    trainer.extend(evaluator, trigger=interval)
+
+    if strategy == 'checkpoint':
+        if comm.rank == 0:
+            trainer.extend(extensions.snapshot(
+                filename='snapshot_iter_{.updater.iteration}'),
+                trigger=(args.snapshot_interval, 'iteration'))
+        latest = None
+        if os.path.isdir(args.out):
+            latest = policy.latest_snapshot(sorted(os.listdir(args.out)))
+        if latest is not None:
+            chainer.serializers.load_npz(os.path.join(args.out, latest),
+                                         trainer)
+            events.write('resumed', snapshot=latest,
+                         iteration=updater.iteration)
+    else:
+        recoverer = ft_training.FaultTolerantTraining(
+            comm, strategy, model, optimizer, updater, train, val,
+            train_iterator, val_iterator, evaluator=evaluator,
+            trainer=trainer, seed=args.seed, lr_rule=args.lr_rule,
+            respawn_command=[sys.executable, os.path.abspath(sys.argv[0])]
+            + sys.argv[1:], min_size=args.min_size, setup=n_class,
+            events=events)
+        if package is not None:
+            recoverer.load_package(package, newcomer=True)
+            events.write('joined', iteration=updater.iteration)
+
+    if args.inject_failure and package is None and restart == 0:
+        trainer.extend(injection.FailureInjector(
+            comm.rank, args.inject_rank, args.inject_failure,
+            args.inject_iteration, args.inject_seconds, events))
+    trainer.extend(_first_iteration_event(events), trigger=(1, 'iteration'))
+    if comm.rank == 0:
+        trainer.extend(extensions.LogReport(trigger=interval))
+        trainer.extend(extensions.observe_lr(), trigger=interval)
+        trainer.extend(extensions.PrintReport([
+            'epoch', 'iteration', 'main/loss', 'validation/main/loss',
+            'validation/main/accuracy', 'lr', 'elapsed_time']),
+            trigger=interval)
+    trainer.extend(_validation_event(events, comm), trigger=interval)
+    try:
+        trainer.run()
+    except ProcessFailure as failure:
+        # checkpoint/restart: end this launch; the launcher relaunches it.
+        sys.stderr.write('{}; ending the job for a restart\n'.format(failure))
+        sys.stderr.flush()
+        comm.close()
+        os._exit(1)
+    events.write('finished', iteration=updater.iteration, size=comm.size,
+                 params_sha1=_parameters_digest(model))
+    comm.close()
+
+
+def _first_iteration_event(events):
+    """Records the first iteration done by this process (back in the loop)."""
+    done = []
+
+    @training.make_extension(trigger=(1, 'iteration'),
+                             priority=training.PRIORITY_READER)
+    def first_iteration(trainer):
+        if not done:
+            done.append(True)
+            events.write('first_iteration',
+                         iteration=trainer.updater.iteration)
+    return first_iteration
+
+
+def _parameters_digest(model):
+    """SHA-1 of the model's parameters (equal on all ranks when in sync)."""
+    import hashlib
+    digest = hashlib.sha1()
+    for name, param in sorted(model.namedparams()):
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(param.array).tobytes())
+    return digest.hexdigest()
+
+
+def _validation_event(events, comm):
+    """Records validation results with the wall-clock time (on whichever
+    process is rank 0 now, so the record survives the loss of rank 0)."""
+    @training.make_extension(priority=training.PRIORITY_READER)
+    def validation(trainer):
+        observation = trainer.observation
+        if comm.rank == 0 and 'validation/main/accuracy' in observation:
+            events.write(
+                'validation', iteration=trainer.updater.iteration,
+                epoch=trainer.updater.epoch_detail,
+                loss=float(observation['validation/main/loss']),
+                accuracy=float(observation['validation/main/accuracy']))
+    return validation
 
 
 if __name__ == '__main__':

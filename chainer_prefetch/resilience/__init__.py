@@ -1,0 +1,21 @@
+"""Fault-tolerant data-parallel training with ULFM (MPI fault tolerance).
+
+* :class:`FaultTolerantCommunicator`: a ChainerMN CPU communicator whose
+  every survivor raises :class:`ProcessFailure` when a rank fails.
+* :class:`FaultTolerantTraining`: in-process recovery of a trainer by
+  ``respawn`` (replacements) or ``shrink`` (continue with the survivors).
+* :func:`check_ulfm`: startup check that ULFM is really active.
+* :class:`FailureInjector`: kill, stop or end a rank for tests and
+  experiments.
+* ``python -m chainer_prefetch.resilience.launcher``: checkpoint/restart
+  (relaunches a failed ``mpirun`` job, which resumes from its snapshot).
+
+See ``docs/fault_tolerance.rst``.
+"""
+from chainer_prefetch.resilience.errors import ProcessFailure  # NOQA
+from chainer_prefetch.resilience.errors import RecoveryFailed  # NOQA
+from chainer_prefetch.resilience.errors import UlfmUnavailable  # NOQA
+from chainer_prefetch.resilience.policy import LR_RULES  # NOQA
+from chainer_prefetch.resilience.ulfm import check_ulfm  # NOQA
+from chainer_prefetch.resilience.ulfm import ulfm_status  # NOQA
+from chainer_prefetch.resilience.watchdog import WatchdogSettings  # NOQA

@@ -1,0 +1,121 @@
+"""Checkpoint/restart: relaunch a failed ``mpirun`` job until it succeeds.
+
+Usage::
+
+    python -m chainer_prefetch.resilience.launcher --max-restarts 3 \\
+        --timeout 3600 -- mpirun -n 4 python train_imagenet.py ... \\
+        --fault-tolerance checkpoint
+
+The job must resume by itself from its latest snapshot (the ImageNet
+example does with ``--fault-tolerance checkpoint``).  Each launch runs in
+its own process group, killed whole when it fails or runs past
+``--timeout``, so no rank of a failed launch survives into the next one.
+The launch count is passed to the job as ``CHAINER_PREFETCH_RESTART``
+(0 for the first launch); failure injection only happens in launch 0.
+"""
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from typing import Callable, Dict, List, Optional, Sequence
+
+from chainer_prefetch.resilience.injection import EventLog
+
+RESTART_VARIABLE = 'CHAINER_PREFETCH_RESTART'
+
+
+def restart_count(environ: Optional[Dict[str, str]] = None) -> int:
+    """The launch number of this job (0 outside the launcher)."""
+    value = (os.environ if environ is None else environ).get(
+        RESTART_VARIABLE, '0')
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError('{}={!r} is not an integer'.format(
+            RESTART_VARIABLE, value)) from None
+
+
+def run_once(command: Sequence[str], timeout: Optional[float],
+             env: Dict[str, str]) -> int:
+    """Runs one launch in its own process group.
+
+    Returns:
+        Its exit status (``-SIGKILL`` after a timeout).
+    """
+    process = subprocess.Popen(list(command), env=env, start_new_session=True)
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        sys.stderr.write('launcher: launch ran past {} s; killing it\n'.format(
+            timeout))
+        return -signal.SIGKILL
+    finally:
+        # Whatever happened (success, failure, timeout, Ctrl-C), nothing of
+        # this launch may outlive it.
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+
+def relaunch(command: Sequence[str], max_restarts: int,
+             timeout: Optional[float] = None,
+             events: Optional[EventLog] = None,
+             run: Callable = run_once) -> int:
+    """Runs ``command`` until it exits with 0, at most ``1 + max_restarts``
+    times.
+
+    Args:
+        command: The job's command line (e.g. ``mpirun ...``).
+        max_restarts: Relaunches allowed after failures.
+        timeout: Seconds each launch may run (None: no limit).
+        events: Records each launch and its end.
+        run: Runs one launch (``run_once``).
+
+    Returns:
+        The exit status of the last launch.
+    """
+    status = 0
+    for launch in range(max_restarts + 1):
+        env = dict(os.environ)
+        env[RESTART_VARIABLE] = str(launch)
+        if events is not None:
+            events.write('launch', launch=launch)
+        status = run(command, timeout, env)
+        if events is not None:
+            events.write('exit', launch=launch, status=status)
+        if status == 0:
+            return 0
+        next_step = ('relaunching' if launch < max_restarts
+                     else 'no restarts left')
+        sys.stderr.write('launcher: launch {} failed with status {}; {}\n'
+                         .format(launch, status, next_step))
+    return status
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if '--' not in argv:
+        sys.exit('usage: python -m chainer_prefetch.resilience.launcher '
+                 '[options] -- COMMAND ...')
+    split = argv.index('--')
+    parser = argparse.ArgumentParser(
+        prog='python -m chainer_prefetch.resilience.launcher',
+        description='Relaunch a failed job (checkpoint/restart).')
+    parser.add_argument('--max-restarts', type=int, default=3)
+    parser.add_argument('--timeout', type=float, default=None,
+                        help='seconds one launch may run')
+    parser.add_argument('--events', default=None,
+                        help='append launch events (JSON lines) here')
+    args = parser.parse_args(argv[:split])
+    command = argv[split + 1:]
+    if not command:
+        parser.error('no command after --')
+    return relaunch(command, args.max_restarts, args.timeout,
+                    EventLog(args.events, -1) if args.events else None)
+
+
+if __name__ == '__main__':
+    sys.exit(main())

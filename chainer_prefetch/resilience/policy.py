@@ -1,0 +1,147 @@
+"""The pure core of fault tolerance: no MPI, no processes, no files.
+
+How the learning rate follows the number of ranks, how a dataset is split
+over the ranks (the same split as ``chainermn.scatter_dataset``), where an
+iterator resumes after a re-split, which original ranks the replacement
+processes take, and which snapshot a restart loads.
+"""
+import math
+import os
+import re
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy
+
+LrRule = Callable[[float, int, int], float]
+"""``rule(lr, old_size, new_size) -> new lr``."""
+
+
+def linear_lr(lr: float, old_size: int, new_size: int) -> float:
+    """Linear scaling: the rate is proportional to the global batch.
+
+    Args:
+        lr: Current learning rate (for ``old_size`` ranks).
+        old_size: Ranks before the change.
+        new_size: Ranks after it.
+
+    Returns:
+        ``lr * new_size / old_size``.
+    """
+    _check_sizes(old_size, new_size)
+    return lr * new_size / old_size
+
+
+def sqrt_lr(lr: float, old_size: int, new_size: int) -> float:
+    """Square-root scaling: ``lr * sqrt(new_size / old_size)``."""
+    _check_sizes(old_size, new_size)
+    return lr * math.sqrt(new_size / old_size)
+
+
+def constant_lr(lr: float, old_size: int, new_size: int) -> float:
+    """Keeps the rate whatever the number of ranks."""
+    _check_sizes(old_size, new_size)
+    return lr
+
+
+LR_RULES: Dict[str, LrRule] = {
+    'linear': linear_lr, 'sqrt': sqrt_lr, 'constant': constant_lr}
+
+
+def resolve_lr_rule(rule: Union[str, LrRule]) -> LrRule:
+    """A rule from its name (``linear``, ``sqrt``, ``constant``) or itself.
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if callable(rule):
+        return rule
+    try:
+        return LR_RULES[rule]
+    except KeyError:
+        raise ValueError('unknown learning-rate rule {!r}; use one of {} or '
+                         'a callable(lr, old_size, new_size)'.format(
+                             rule, ', '.join(sorted(LR_RULES)))) from None
+
+
+def _check_sizes(old_size: int, new_size: int) -> None:
+    if old_size < 1 or new_size < 1:
+        raise ValueError('sizes must be positive, got {} -> {}'.format(
+            old_size, new_size))
+
+
+def shard_order(n_examples: int,
+                seed: Optional[int]) -> Optional[numpy.ndarray]:
+    """The permutation ``chainermn.scatter_dataset(shuffle=True, seed=seed)``
+    applies before splitting (``None``: no shuffle)."""
+    if seed is None:
+        return None
+    return numpy.random.RandomState(seed).permutation(n_examples)
+
+
+def shard_bounds(n_examples: int, size: int, rank: int) -> Tuple[int, int]:
+    """``(begin, end)`` of ``rank``'s shard, as ``chainermn.scatter_dataset``
+    computes it with ``force_equal_length=True`` (equal lengths; the last
+    shards may wrap around and repeat examples).
+
+    Raises:
+        ValueError: ``rank`` outside ``[0, size)``.
+    """
+    if not 0 <= rank < size:
+        raise ValueError('rank {} outside [0, {})'.format(rank, size))
+    length = (n_examples + size - 1) // size
+    begin = n_examples * rank // size
+    return begin, begin + length
+
+
+def resume_position(position: int, old_length: int, new_length: int) -> int:
+    """Where an iterator over a re-split shard resumes within the epoch.
+
+    The same fraction of the epoch is kept: ``position`` examples of a shard
+    of ``old_length`` become ``round(position * new_length / old_length)``
+    of the new shard (clamped to ``[0, new_length)``).
+    """
+    if old_length <= 0 or new_length <= 0:
+        raise ValueError('shard lengths must be positive')
+    moved = int(round(position * new_length / old_length))
+    return max(0, min(new_length - 1, moved))
+
+
+def failed_ranks(old_size: int, survivor_ranks: Sequence[int]) -> List[int]:
+    """Original ranks that no survivor holds, in increasing order.
+
+    Raises:
+        ValueError: a survivor rank outside ``[0, old_size)`` or repeated.
+    """
+    survivors = list(survivor_ranks)
+    if len(set(survivors)) != len(survivors) or any(
+            not 0 <= r < old_size for r in survivors):
+        raise ValueError('bad survivor ranks {} for size {}'.format(
+            survivors, old_size))
+    return sorted(set(range(old_size)) - set(survivors))
+
+
+def newcomer_rank(failed: Sequence[int], newcomer_index: int) -> int:
+    """The original rank the ``newcomer_index``-th replacement takes.
+
+    Replacements take the failed ranks in increasing order, so that the
+    merged communicator split by original rank has the original order.
+    """
+    return sorted(failed)[newcomer_index]
+
+
+SNAPSHOT_PATTERN = re.compile(r'^snapshot_iter_(\d+)$')
+
+
+def snapshot_name(iteration: int) -> str:
+    """File name of the periodic snapshot taken after ``iteration``."""
+    return 'snapshot_iter_{}'.format(iteration)
+
+
+def latest_snapshot(names: Sequence[str]) -> Optional[str]:
+    """The snapshot with the highest iteration among file names (or None)."""
+    best, best_iteration = None, -1
+    for name in names:
+        match = SNAPSHOT_PATTERN.match(os.path.basename(name))
+        if match and int(match.group(1)) > best_iteration:
+            best, best_iteration = name, int(match.group(1))
+    return best

@@ -1,0 +1,228 @@
+"""A local directory smaller than the dataset: limit, eviction policies, shared ledger."""
+import os
+import threading
+
+import numpy
+import pytest
+from chainer.datasets import LabeledImageDataset
+from chainer.iterators.order_samplers import ShuffleOrderSampler
+
+from chainer_prefetch import PrefetchMultiprocessIterator
+from chainer_prefetch.staging.capacity import CapacityLedger, bytes_under
+from helpers import assert_examples_equal, make_jpeg_dataset
+
+N_IMAGES = 300
+BATCH = 10
+
+
+@pytest.fixture(scope='module')
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp('source')
+    list_file, root, paths = make_jpeg_dataset(root, N_IMAGES, size=24)
+    total = sum(os.path.getsize(path) for path in paths)
+    return LabeledImageDataset(list_file, root), total, max(
+        os.path.getsize(path) for path in paths)
+
+
+def _iterator(dataset, local_dir, capacity, policy, seed=0, **kwargs):
+    return PrefetchMultiprocessIterator(
+        dataset, BATCH, n_processes=2, local_dir=str(local_dir),
+        local_capacity=capacity, eviction_policy=policy, n_copy_ahead=3,
+        order_sampler=ShuffleOrderSampler(numpy.random.RandomState(seed)),
+        **kwargs)
+
+
+class DirectoryWatcher:
+    """Samples, until stopped, the ledger and the bytes of the files under ``root``.
+
+    The ledger is what the limit is enforced on: every copy reserves its
+    bytes there before it starts, every eviction gives them back after the
+    file is gone.  The walk cannot see the directory at one instant: a file
+    evicted after the walk passed its folder and another copied into a
+    folder not walked yet are both counted, so a walk may exceed the real
+    peak by one file.
+    """
+
+    def __init__(self, root):
+        self.root = str(root)
+        self.ledger_samples = []
+        self.walk_samples = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch)
+
+    def _watch(self):
+        ledger = os.path.join(self.root, '.capacity')
+        while not self._stop.is_set():
+            if os.path.exists(ledger):
+                with open(ledger, 'rb') as f:
+                    self.ledger_samples.append(
+                        int.from_bytes(f.read(8) or b'\0', 'little'))
+            self.walk_samples.append(
+                bytes_under(os.path.join(self.root, 'data')))
+            self._stop.wait(0.002)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info):
+        self._stop.set()
+        self._thread.join()
+
+    def check(self, limit, largest_file):
+        assert self.ledger_samples and max(self.ledger_samples) <= limit
+        assert max(self.walk_samples) <= limit + largest_file
+        with open(os.path.join(self.root, '.capacity'), 'rb') as f:
+            ledger_now = int.from_bytes(f.read(8), 'little')
+        assert bytes_under(os.path.join(self.root, 'data')) <= ledger_now
+
+
+def _run_epochs(iterator, n_epochs):
+    """Iterates ``n_epochs``, checking every batch against the dataset."""
+    for _ in range(n_epochs * N_IMAGES // BATCH):
+        # N_IMAGES % BATCH == 0: a batch never spans two epochs.
+        state = iterator._state
+        indices = state.order[state.current_position:
+                              state.current_position + BATCH]
+        batch = iterator.next()
+        assert_examples_equal(batch, [iterator.dataset[int(i)]
+                                      for i in indices])
+    return iterator.stats
+
+
+def test_limit_smaller_than_the_largest_file_is_refused(dataset, tmp_path):
+    data, _, largest = dataset
+    with pytest.raises(ValueError, match='smaller than the largest file'):
+        _iterator(data, tmp_path, largest - 1, 'belady')
+    with pytest.raises(ValueError, match='eviction_policy'):
+        _iterator(data, tmp_path, largest, 'fifo')
+
+
+@pytest.mark.parametrize('policy', ['belady', 'lru', 'fill_once'])
+def test_limit_is_never_exceeded_and_examples_are_right(dataset, tmp_path,
+                                                        policy):
+    data, total, largest = dataset
+    limit = total // 2
+    iterator = _iterator(data, tmp_path, limit, policy)
+    try:
+        with DirectoryWatcher(tmp_path) as watcher:
+            stats = _run_epochs(iterator, 3)
+    finally:
+        iterator.finalize()
+    watcher.check(limit, largest)
+    assert stats['local_bytes_used'] <= limit
+
+
+def _epoch_shares(stats, total, epoch):
+    counts = stats['by_epoch'][epoch]
+    reads = counts['examples_from_local'] + counts['examples_from_source']
+    shared = counts['bytes_copied'] + counts['bytes_from_source']
+    return counts['examples_from_local'] / reads, shared / total
+
+
+def test_belady_reads_the_minimum_from_shared_storage(dataset, tmp_path):
+    """At half the dataset: about half from shared storage per epoch, all reads local."""
+    data, total, _ = dataset
+    results = {}
+    for policy in ('belady', 'lru', 'fill_once'):
+        iterator = _iterator(data, tmp_path / policy, total // 2, policy)
+        try:
+            stats = _run_epochs(iterator, 4)
+        finally:
+            iterator.finalize()
+        # Epoch 1 still copies what epoch 0 read from the source while the
+        # first copies were queued: steady state is from epoch 2.
+        results[policy] = [_epoch_shares(stats, total, epoch)
+                           for epoch in (2, 3)]
+    for local_share, shared_bytes in results['belady']:
+        assert shared_bytes == pytest.approx(0.5, abs=0.08), results
+        assert local_share >= 0.9, results
+    for local_share, shared_bytes in results['fill_once']:
+        assert local_share == pytest.approx(0.5, abs=0.05), results
+    # LRU drops what random epochs need soon as often as anything else.
+    for (_, lru_bytes), (_, belady_bytes) in zip(results['lru'],
+                                                  results['belady']):
+        assert lru_bytes > belady_bytes + 0.15, results
+
+
+def test_two_iterators_share_one_limit(dataset, tmp_path):
+    """Two iterators on one directory: their copies together stay under the limit."""
+    data, total, largest = dataset
+    limit = total // 3
+    first = _iterator(data, tmp_path, limit, 'belady', seed=1)
+    second = _iterator(data, tmp_path, limit, 'belady', seed=2)
+    errors = []
+
+    def run(iterator):
+        try:
+            _run_epochs(iterator, 2)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(it,)) for it in
+               (first, second)]
+    try:
+        with DirectoryWatcher(tmp_path) as watcher:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+    finally:
+        first.finalize()
+        second.finalize()
+    assert not errors, errors
+    watcher.check(limit, largest)
+    assert first.stats['files_evicted'] + second.stats['files_evicted'] > 0
+
+
+def test_ledger_is_recounted_by_the_first_user(tmp_path):
+    data_root = tmp_path / 'data'
+    data_root.mkdir()
+    (data_root / 'a').write_bytes(b'x' * 100)
+    first = CapacityLedger(str(tmp_path), str(data_root), 1000)
+    assert first.used_bytes() == 100
+    assert first.reserve(900) and not first.reserve(1)
+    second = CapacityLedger(str(tmp_path), str(data_root), 1000)
+    assert second.used_bytes() == 1000  # in use: not recounted
+    first.close()
+    second.close()
+    # Nobody uses it now: the reservations that no file holds are dropped.
+    third = CapacityLedger(str(tmp_path), str(data_root), 1000)
+    assert third.used_bytes() == 100
+    third.close()
+
+
+def test_worker_reads_the_source_when_a_copy_vanished(dataset, tmp_path):
+    """Another process may evict a copy between stage 2's check and the read."""
+    from chainer_prefetch.iterators import _worker
+    from chainer_prefetch.staging.dataset_files import resolve_dataset_files
+    data, _, _ = dataset
+    located = resolve_dataset_files(data).located(
+        lambda path: str(tmp_path / 'evicted' / os.path.basename(path)))
+    saved = _worker._original_dataset, _worker._located_dataset
+    _worker._original_dataset, _worker._located_dataset = data, located
+    try:
+        [((example, read_locally), error)] = _worker.load_examples(
+            [(3, True, None, None)], None)
+    finally:
+        _worker._original_dataset, _worker._located_dataset = saved
+    assert error is None and not read_locally
+    assert_examples_equal([example], [data[3]])
+
+
+def test_a_filled_directory_is_reused_without_evictions(dataset, tmp_path):
+    """Copies from an earlier run count as local, not as room to make."""
+    data, total, _ = dataset
+    first = _iterator(data, tmp_path, total, 'belady')
+    try:
+        _run_epochs(first, 2)
+    finally:
+        first.finalize()
+    second = _iterator(data, tmp_path, total, 'belady', seed=4)
+    try:
+        stats = _run_epochs(second, 1)
+    finally:
+        second.finalize()
+    assert stats['files_evicted'] == 0
+    assert stats['files_copied'] == 0
+    assert stats['local_bytes_used'] <= total

@@ -1,0 +1,192 @@
+"""Tests of ParquetDataset on real Parquet files written by the generator."""
+import io
+import os
+import shutil
+
+import chainer
+import numpy as np
+import pyarrow
+import pyarrow.parquet
+import pytest
+from PIL import Image
+
+import make_parquet_dataset
+from chainer_prefetch.datasets import (ParquetColumnError, ParquetDataset,
+                                       ParquetFileError, ParquetSchemaError,
+                                       RowGroupWindowOrderSampler)
+
+ROWS, FILES, ROW_GROUP_ROWS = 90, 3, 10  # files of 30 rows: 10 + 10 + 10
+
+
+@pytest.fixture(scope='module')
+def shop(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp('shop'))
+    make_parquet_dataset.generate(directory, ROWS, FILES, ROW_GROUP_ROWS,
+                                  image_size=8)
+    return directory
+
+
+def _copy_of(shop, tmp_path):
+    directory = str(tmp_path / 'copy')
+    shutil.copytree(shop, directory)
+    return directory
+
+
+def test_generator_writes_n_rows_over_m_files_with_unique_ids(shop):
+    files = sorted(name for name in os.listdir(shop) if name.endswith('.parquet'))
+    assert len(files) == FILES
+    table = pyarrow.parquet.read_table(shop)
+    assert table.num_rows == ROWS
+    assert sorted(table.column('id').to_pylist()) == list(range(ROWS))
+    metadata = pyarrow.parquet.read_metadata(os.path.join(shop, files[0]))
+    assert metadata.num_row_groups == 3
+    image = Image.open(io.BytesIO(table.column('image')[5].as_py()))
+    assert image.format == 'JPEG' and image.size == (8, 8)
+
+
+def test_length_schema_and_row_groups_come_from_metadata(shop):
+    dataset = ParquetDataset(shop)
+    assert len(dataset) == ROWS
+    assert dataset.columns == ('id', 'title', 'tokens', 'image', 'brand',
+                               'price', 'category')
+    assert dataset.column_types['price'] == pyarrow.float32()
+    assert dataset.column_types['tokens'] == pyarrow.list_(pyarrow.int32())
+    assert dataset.row_group_sizes.tolist() == [10] * 9
+    assert dataset.row_group_of(35) == (3, 5)
+
+
+def test_examples_are_dicts_of_the_rows(shop):
+    dataset = ParquetDataset(shop)
+    table = pyarrow.parquet.read_table(shop).sort_by('id')
+    for index in (0, 9, 10, 47, 89):
+        example = dataset[index]
+        assert example['id'] == index
+        assert example['title'] == table.column('title')[index].as_py()
+        assert example['image'] == table.column('image')[index].as_py()
+        np.testing.assert_array_equal(
+            example['tokens'], table.column('tokens')[index].as_py())
+        assert example['tokens'].dtype == np.int32
+    assert [example['id'] for example in dataset[3:6]] == [3, 4, 5]
+
+
+def test_column_selection_tuples_and_transform(shop):
+    categories = {'category{:02d}'.format(i): i for i in range(50)}
+
+    def to_label(example):
+        image_bytes, category = example
+        pixels = np.asarray(Image.open(io.BytesIO(image_bytes)))
+        return pixels, categories[category]
+
+    dataset = ParquetDataset(shop, columns=['image', 'category'],
+                             as_tuple=True, transform=to_label)
+    assert dataset.columns == ('image', 'category')
+    pixels, label = dataset[12]
+    assert pixels.shape == (8, 8, 3) and 0 <= label < 50
+    plain = ParquetDataset(shop, columns=['category', 'id'], as_tuple=True)
+    assert plain[12] == (plain[12][0], 12)
+
+
+def test_each_process_caches_a_bounded_number_of_row_groups(shop):
+    dataset = ParquetDataset(shop, cache_row_groups=2)
+    for index in range(0, ROWS, 5):
+        dataset[index]
+    assert len(dataset._cache) == 2
+
+
+def test_spark_layout_glob_and_list_of_files(shop, tmp_path):
+    root = tmp_path / 'table'
+    files = sorted(name for name in os.listdir(shop) if name.endswith('.parquet'))
+    for number, name in enumerate(files):
+        partition = root / 'category={}'.format(number % 2)
+        partition.mkdir(parents=True, exist_ok=True)
+        shutil.copy(os.path.join(shop, name), str(partition / name))
+        (partition / '.{}.crc'.format(name)).write_bytes(b'not parquet')
+    (root / '_SUCCESS').write_bytes(b'')
+    (root / '_temporary').mkdir()
+    (root / '_temporary' / 'junk').write_bytes(b'not parquet')
+    assert len(ParquetDataset(str(root))) == ROWS
+    assert len(ParquetDataset(str(root / '*' / 'part-00001.parquet'))) == 30
+    listed = [os.path.join(shop, name) for name in files[:2]]
+    assert len(ParquetDataset(listed)) == 60
+
+
+def test_missing_column_lists_the_available_ones(shop):
+    with pytest.raises(ParquetColumnError) as raised:
+        ParquetDataset(shop, columns=['id', 'colour'])
+    message = str(raised.value)
+    assert "'colour'" in message
+    assert 'available columns: id, title, tokens, image, brand, price, category' \
+        in message
+
+
+def test_files_with_different_schemas_are_named(shop, tmp_path):
+    directory = _copy_of(shop, tmp_path)
+    odd = os.path.join(directory, 'part-00009.parquet')
+    pyarrow.parquet.write_table(pyarrow.table({'id': [1, 2]}), odd)
+    with pytest.raises(ParquetSchemaError) as raised:
+        ParquetDataset(directory)
+    assert os.path.join(directory, 'part-00000.parquet') in str(raised.value)
+    assert odd in str(raised.value)
+
+
+def test_truncated_file_is_named(shop, tmp_path):
+    directory = _copy_of(shop, tmp_path)
+    victim = os.path.join(directory, 'part-00001.parquet')
+    with open(victim, 'r+b') as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    with pytest.raises(ParquetFileError, match=victim):
+        ParquetDataset(directory)
+
+
+def test_corrupt_data_is_named_when_read_and_metadata_still_works(shop, tmp_path):
+    directory = _copy_of(shop, tmp_path)
+    victim = os.path.join(directory, 'part-00000.parquet')
+    metadata = pyarrow.parquet.read_metadata(victim)
+    column = metadata.row_group(1).column(0)  # the 'id' chunk of row group 1
+    with open(victim, 'r+b') as f:
+        f.seek(column.data_page_offset)
+        f.write(b'\xff' * column.total_compressed_size)
+    dataset = ParquetDataset(directory, columns=['id'])
+    assert len(dataset) == ROWS  # length and schema need no data page
+    assert dataset[0]['id'] == 0  # row group 0 is intact
+    with pytest.raises(ParquetFileError, match='row group 1 of ' + victim):
+        dataset[12]
+
+
+def test_empty_files_are_fine(shop, tmp_path):
+    directory = _copy_of(shop, tmp_path)
+    schema = pyarrow.parquet.read_schema(os.path.join(shop, 'part-00000.parquet'))
+    pyarrow.parquet.write_table(schema.empty_table(),
+                                os.path.join(directory, 'part-00000a.parquet'))
+    dataset = ParquetDataset(directory)
+    assert len(dataset) == ROWS
+    assert [dataset[i]['id'] for i in (29, 30, 31)] == [29, 30, 31]
+    only_empty = ParquetDataset(os.path.join(directory, 'part-00000a.parquet'))
+    assert len(only_empty) == 0 and len(only_empty.row_group_sizes) <= 1
+
+
+def test_missing_path_and_index_out_of_range(shop, tmp_path):
+    with pytest.raises(ParquetFileError, match='nowhere'):
+        ParquetDataset(str(tmp_path / 'nowhere'))
+    with pytest.raises(IndexError, match='90 rows'):
+        ParquetDataset(shop).get_example(ROWS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_chainer_multiprocess_iterator_sees_every_row_once(shop):
+    dataset = ParquetDataset(shop, columns=['id', 'title'], cache_row_groups=3)
+    sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes, window=3,
+                                         seed=0)
+    iterator = chainer.iterators.MultiprocessIterator(
+        dataset, 10, n_processes=2, order_sampler=sampler)
+    try:
+        for _ in range(2):
+            ids = []
+            for _ in range(ROWS // 10):
+                batch = iterator.next()
+                assert len({example['id'] for example in batch}) == 10
+                ids.extend(example['id'] for example in batch)
+            assert sorted(ids) == list(range(ROWS))
+    finally:
+        iterator.finalize()

@@ -1,0 +1,174 @@
+"""Row groups staged as Arrow IPC files: LocalDirectory and the full iterator."""
+import multiprocessing
+import os
+import pickle
+
+import pyarrow
+import pyarrow.ipc
+import pyarrow.parquet
+import pytest
+
+import make_parquet_dataset
+from chainer_prefetch import PrefetchMultiprocessIterator
+from chainer_prefetch.datasets import (ParquetDataset, RowGroupFile,
+                                       RowGroupWindowOrderSampler)
+from chainer_prefetch.staging import LocalDirectory, SourceFileError
+
+ROWS, FILES, ROW_GROUP_ROWS = 120, 3, 10  # 12 row groups
+
+
+@pytest.fixture
+def shop(tmp_path):
+    directory = str(tmp_path / 'shared')
+    make_parquet_dataset.generate(directory, ROWS, FILES, ROW_GROUP_ROWS,
+                                  image_size=8)
+    return directory
+
+
+def _part(shop, number=0):
+    return os.path.join(shop, 'part-{:05d}.parquet'.format(number))
+
+
+def _arrow_files(root):
+    return sorted(os.path.join(folder, name)
+                  for folder, _, names in os.walk(root)
+                  for name in names if name.endswith('.arrow'))
+
+
+def test_a_row_group_is_staged_as_an_ipc_file_equal_to_the_rows(shop, tmp_path):
+    directory = LocalDirectory(str(tmp_path / 'local'))
+    derived = RowGroupFile(_part(shop), 2, ('id', 'tokens'))
+    copied = directory.stage(derived)
+    local = directory.local_path(derived)
+    assert copied == os.path.getsize(local) > 0
+    staged = pyarrow.ipc.open_file(pyarrow.memory_map(local)).read_all()
+    expected = pyarrow.parquet.ParquetFile(_part(shop)).read_row_group(
+        2, columns=['id', 'tokens'])
+    assert staged.equals(expected)
+    assert os.stat(local).st_mtime_ns == os.stat(_part(shop)).st_mtime_ns
+    assert directory.stage(derived) == 0  # valid: not made again
+    assert os.listdir(directory.partial_root) == []
+    other_columns = RowGroupFile(_part(shop), 2, ('id',))
+    assert directory.local_path(other_columns) != local
+
+
+def test_a_row_group_file_pickles_as_itself(shop):
+    derived = RowGroupFile(_part(shop), 1, ('id', 'title'))
+    copy = pickle.loads(pickle.dumps(derived))
+    assert copy == derived and isinstance(copy, RowGroupFile)
+    assert (copy.origin, copy.row_group, copy.columns) == (
+        _part(shop), 1, ('id', 'title'))
+
+
+def test_a_changed_source_makes_the_local_row_group_stale(shop, tmp_path):
+    directory = LocalDirectory(str(tmp_path / 'local'))
+    derived = RowGroupFile(_part(shop), 0, ('id',))
+    directory.stage(derived)
+    stat = os.stat(_part(shop))
+    os.utime(_part(shop), ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert directory.stage(derived) > 0  # made again from the new source
+
+
+def test_a_corrupt_source_is_named_and_leaves_nothing(shop, tmp_path):
+    directory = LocalDirectory(str(tmp_path / 'local'))
+    metadata = pyarrow.parquet.read_metadata(_part(shop))
+    chunk = metadata.row_group(1).column(0)
+    with open(_part(shop), 'r+b') as f:
+        f.seek(chunk.data_page_offset)
+        f.write(b'\xff' * chunk.total_compressed_size)
+    derived = RowGroupFile(_part(shop), 1, ('id',))
+    with pytest.raises(SourceFileError, match=_part(shop)):
+        directory.stage(derived)
+    assert not os.path.exists(directory.local_path(derived))
+    assert os.listdir(directory.partial_root) == []
+
+
+def _stage_in_child(local_root, derived, barrier, results):
+    barrier.wait()
+    results.put(LocalDirectory(local_root).stage(derived))
+
+
+@pytest.mark.timeout(60)
+def test_two_processes_make_a_row_group_once(shop, tmp_path):
+    local_root = str(tmp_path / 'local')
+    derived = RowGroupFile(_part(shop), 0, ('id', 'image', 'title'))
+    context = multiprocessing.get_context('fork')
+    barrier, results = context.Barrier(2), context.Queue()
+    children = [context.Process(target=_stage_in_child,
+                                args=(local_root, derived, barrier, results))
+                for _ in range(2)]
+    for child in children:
+        child.start()
+    try:
+        copied = sorted(results.get(timeout=30) for _ in children)
+    finally:
+        for child in children:
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+    assert copied[0] == 0 and copied[1] > 0
+
+
+def test_the_located_view_reads_the_source_when_a_local_file_is_gone(
+        shop, tmp_path):
+    directory = LocalDirectory(str(tmp_path / 'local'))
+    dataset = ParquetDataset(shop, columns=['id'], local_row_groups=None)
+    view = dataset.with_file_locations(directory.local_path)
+    (derived,) = dataset.example_files(15)
+    directory.stage(derived)
+    assert view[15]['id'] == 15
+    os.unlink(directory.local_path(derived))
+    view._cache.clear()
+    assert view[15]['id'] == 15
+
+
+def _one_epoch(dataset, local_root, seed, window):
+    """Runs one epoch (repeat=False); returns the ids and the iterator's stats."""
+    sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes,
+                                         window=window, seed=seed)
+    iterator = PrefetchMultiprocessIterator(
+        dataset, 10, repeat=False, n_processes=2, order_sampler=sampler,
+        local_dir=local_root, n_copy_threads=4, n_copy_ahead=2)
+    ids = []
+    try:
+        for batch in iterator:
+            batch_ids = [example['id'] for example in batch]
+            assert len(set(batch_ids)) == len(batch_ids)
+            ids.extend(batch_ids)
+            assert len(_arrow_files(local_root)) <= dataset._recent.capacity
+        return ids, iterator.stats
+    finally:
+        iterator.finalize()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_iterator_stages_each_row_group_once_per_epoch_and_drops_old_ones(
+        shop, tmp_path):
+    window = 2
+    dataset = ParquetDataset(shop, columns=['id', 'image'],
+                             local_row_groups=2 * window + 2)
+    n_groups = len(dataset.row_group_sizes)
+    local_root = str(tmp_path / 'local')
+
+    ids, stats = _one_epoch(dataset, local_root, seed=4, window=window)
+    assert sorted(ids) == list(range(ROWS))
+    # Every row group read from the shared files exactly once, and dropped
+    # when its window had passed, except the last ones still in use.
+    assert stats['files_copied'] == n_groups
+    assert stats['examples_from_local'] == ROWS
+    assert dataset.dropped_local_row_groups == n_groups - (2 * window + 2)
+
+    ids, stats = _one_epoch(dataset, local_root, seed=5, window=window)
+    assert sorted(ids) == list(range(ROWS))
+    # The second epoch reuses what the first left behind, at most.
+    assert n_groups - (2 * window + 2) <= stats['files_copied'] <= n_groups
+    assert stats['examples_from_local'] == ROWS
+
+
+def test_a_capacity_limit_is_refused_for_row_groups(shop, tmp_path):
+    dataset = ParquetDataset(shop, columns=['id'])
+    with pytest.raises(ValueError, match='local_row_groups'):
+        PrefetchMultiprocessIterator(dataset, 10, n_processes=1,
+                                     local_dir=str(tmp_path / 'local'),
+                                     local_capacity=10 ** 9)

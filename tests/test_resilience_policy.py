@@ -1,0 +1,261 @@
+"""The pure core of chainer_prefetch.resilience and its single-process edges
+(the watchdog process, the relaunching launcher)."""
+import os
+import subprocess
+import sys
+import time
+
+import numpy
+import pytest
+
+from chainermn.datasets.scatter import scatter_index
+
+from chainer_prefetch.resilience import launcher, policy
+from chainer_prefetch.resilience.injection import (
+    EventLog, FailureInjector, injection_due, read_events)
+from chainer_prefetch.resilience.watchdog import decide
+
+import helpers
+
+
+class _SizeRank:
+    """What ``chainermn.scatter_index`` reads of a communicator on its root
+    (``size``, ``rank``; it only sends to the others)."""
+
+    def __init__(self, size):
+        self.size = size
+        self.rank = 0
+        self.sent = {}
+
+    def send_obj(self, obj, dest):
+        self.sent[dest] = obj
+
+
+@pytest.mark.parametrize('n', [1, 7, 64, 100, 257])
+@pytest.mark.parametrize('size', [1, 2, 3, 4])
+def test_shard_bounds_match_chainermn(n, size):
+    comm = _SizeRank(size)
+    mine = scatter_index(n, comm)
+    expected = dict(comm.sent)
+    expected[0] = mine
+    for rank in range(size):
+        assert policy.shard_bounds(n, size, rank) == expected[rank]
+
+
+def test_shard_bounds_rejects_bad_rank():
+    with pytest.raises(ValueError, match='rank 3 outside'):
+        policy.shard_bounds(10, 3, 3)
+
+
+def test_shard_order_is_scatter_dataset_permutation():
+    numpy.testing.assert_array_equal(
+        policy.shard_order(50, 7), numpy.random.RandomState(7).permutation(50))
+    assert policy.shard_order(50, None) is None
+
+
+def test_lr_rules():
+    assert policy.linear_lr(0.3, 3, 2) == pytest.approx(0.2)
+    assert policy.sqrt_lr(0.4, 4, 1) == pytest.approx(0.2)
+    assert policy.constant_lr(0.3, 3, 2) == 0.3
+    assert policy.resolve_lr_rule('linear') is policy.linear_lr
+    custom = lambda lr, old, new: lr / 10  # NOQA: E731
+    assert policy.resolve_lr_rule(custom) is custom
+    with pytest.raises(ValueError, match="unknown learning-rate rule 'cubic'"):
+        policy.resolve_lr_rule('cubic')
+    with pytest.raises(ValueError, match='sizes must be positive'):
+        policy.linear_lr(0.1, 0, 2)
+
+
+def test_resume_position_keeps_fraction_of_epoch():
+    assert policy.resume_position(0, 100, 150) == 0
+    assert policy.resume_position(50, 100, 150) == 75
+    assert policy.resume_position(99, 100, 10) == 9  # clamped into the shard
+    with pytest.raises(ValueError):
+        policy.resume_position(1, 0, 10)
+
+
+def test_failed_ranks_and_newcomer_order():
+    assert policy.failed_ranks(4, [3, 0]) == [1, 2]
+    assert policy.failed_ranks(3, [0, 1, 2]) == []
+    with pytest.raises(ValueError, match='bad survivor ranks'):
+        policy.failed_ranks(3, [0, 0])
+    with pytest.raises(ValueError, match='bad survivor ranks'):
+        policy.failed_ranks(3, [5])
+    # Replacements take the failed ranks in increasing order.
+    assert [policy.newcomer_rank([2, 0], i) for i in range(2)] == [0, 2]
+
+
+def test_latest_snapshot():
+    names = ['log', 'snapshot_iter_5', 'snapshot_iter_40', 'snapshot_iter_9',
+             'snapshot_epoch_3', 'snapshot_iter_40.tmp']
+    assert policy.latest_snapshot(names) == 'snapshot_iter_40'
+    assert policy.latest_snapshot(['log']) is None
+    assert policy.snapshot_name(12) == 'snapshot_iter_12'
+
+
+def test_watchdog_decision():
+    assert decide(None, 0, 0, 10, 1, 1) == 'exit'
+    assert decide('Z', 0, 0, 10, 1, 1) == 'exit'
+    assert decide('T', 0.5, 0, 10, 1, 1) is None
+    assert decide('T', 1.0, 0, 10, 1, 1) == 'stopped'
+    assert decide('T', 100, 0, 10, None, 1) is None  # check disabled
+    assert decide('S', 0, 9.5, 10, 1, 1) is None
+    assert decide('S', 0, 9.0, 10, 1, 1) == 'call'
+    assert decide('R', 0, 0.0, 1e6, 1, 1) is None  # outside MPI
+    assert decide('S', 0, 1.0, 1e6, 1, None) is None
+
+
+def test_injection_due():
+    assert not injection_due(4, 0.0, 5, None)
+    assert injection_due(5, 0.0, 5, None)
+    assert injection_due(0, 3.0, None, 2.5)
+    assert not injection_due(100, 1.0, None, 2.5)
+
+
+def test_failure_injector_rejects_bad_plans():
+    with pytest.raises(ValueError, match='failure mode'):
+        FailureInjector(0, 0, 'explode', at_iteration=1)
+    with pytest.raises(ValueError, match='an iteration or a time'):
+        FailureInjector(0, 0, 'kill')
+
+
+def test_event_log_round_trip(tmp_path):
+    path = str(tmp_path / 'sub' / 'events.jsonl')
+    log = EventLog(path, rank=2)
+    log.write('failure', iteration=3)
+    log.write('recovered', size=2)
+    events = read_events(path)
+    assert [e['event'] for e in events] == ['failure', 'recovered']
+    assert events[0]['rank'] == 2 and events[0]['iteration'] == 3
+    assert events[0]['time'] <= events[1]['time']
+    assert read_events(str(tmp_path / 'missing')) == []
+
+
+def test_restart_count():
+    assert launcher.restart_count({}) == 0
+    assert launcher.restart_count({'CHAINER_PREFETCH_RESTART': '2'}) == 2
+    with pytest.raises(ValueError, match='not an integer'):
+        launcher.restart_count({'CHAINER_PREFETCH_RESTART': 'x'})
+
+
+@pytest.mark.timeout(60)
+def test_launcher_relaunches_until_success(tmp_path):
+    # Fails in launches 0 and 1, succeeds in launch 2 (real processes).
+    command = [sys.executable, '-c',
+               'import os, sys; sys.exit(0 if os.environ["CHAINER_PREFETCH_'
+               'RESTART"] == "2" else 3)']
+    events = EventLog(str(tmp_path / 'events.jsonl'), -1)
+    assert launcher.relaunch(command, max_restarts=5, events=events) == 0
+    record = [(e['event'], e['launch'], e.get('status'))
+              for e in read_events(events.path)]
+    assert record == [('launch', 0, None), ('exit', 0, 3), ('launch', 1, None),
+                      ('exit', 1, 3), ('launch', 2, None), ('exit', 2, 0)]
+    assert launcher.relaunch(command, max_restarts=1) == 3  # gives up
+
+
+@pytest.mark.timeout(60)
+def test_launcher_kills_a_launch_past_its_timeout(tmp_path):
+    marker = str(tmp_path / 'grandchild-marker')
+    # The launch starts a grandchild in the same process group, then hangs.
+    command = [sys.executable, '-c',
+               'import subprocess, sys, time; subprocess.Popen([sys.executable,'
+               ' "-c", "import time; time.sleep(300)", {!r}]); '
+               'time.sleep(300)'.format(marker)]
+    started = time.monotonic()
+    status = launcher.relaunch(command, max_restarts=0, timeout=2)
+    assert status == -9
+    assert time.monotonic() - started < 20
+    assert helpers.wait_until(lambda: not processes_with(marker), 10), \
+        'a process of the killed launch survived'
+
+
+def processes_with(text):
+    """Pids of live processes whose command line contains ``text``."""
+    found = []
+    for pid in os.listdir('/proc'):
+        if not pid.isdigit():
+            continue
+        try:
+            with open('/proc/{}/cmdline'.format(pid), 'rb') as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if (text.encode() in cmdline and int(pid) != os.getpid()
+                and helpers.is_running(int(pid))):
+            found.append(int(pid))
+    return found
+
+
+WATCHED_SCRIPT = r'''
+import os, signal, sys, time
+from chainer_prefetch.resilience.watchdog import Watchdog, WatchdogSettings
+mode = sys.argv[1]
+dog = Watchdog(7, WatchdogSettings(stop_timeout=1.0, call_timeout=1.5),
+               ['Allreduce'])
+print(dog.process.pid, dog.heartbeat.path, flush=True)
+if mode == 'stop':
+    os.kill(os.getpid(), signal.SIGSTOP)
+elif mode == 'call':
+    dog.heartbeat.enter('Allreduce')
+    time.sleep(60)
+elif mode == 'busy':  # inside and outside MPI, never too long
+    for _ in range(20):
+        dog.heartbeat.enter('Allreduce'); time.sleep(0.1); dog.heartbeat.leave()
+    dog.stop()
+    print('stopped cleanly', flush=True)
+elif mode == 'vanish':
+    os._exit(0)
+'''
+
+
+def _watched(tmp_path, mode):
+    script = tmp_path / 'watched.py'
+    script.write_text(WATCHED_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=helpers_repo())
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, str(script), mode], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            timeout=30, universal_newlines=True)
+    watchdog_pid, heartbeat = result.stdout.split()[:2]
+    return result, int(watchdog_pid), heartbeat, time.monotonic() - started
+
+
+def helpers_repo():
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.timeout(60)
+def test_watchdog_kills_a_stopped_rank(tmp_path):
+    result, watchdog_pid, heartbeat, elapsed = _watched(tmp_path, 'stop')
+    assert result.returncode == -9
+    assert 'rank 7' in result.stderr and 'has been stopped for' in result.stderr
+    assert elapsed < 15
+    assert helpers.wait_until(lambda: not helpers.is_running(watchdog_pid), 5)
+    assert helpers.wait_until(lambda: not os.path.exists(heartbeat), 5)
+
+
+@pytest.mark.timeout(60)
+def test_watchdog_ends_a_rank_stuck_in_mpi(tmp_path):
+    result, watchdog_pid, heartbeat, elapsed = _watched(tmp_path, 'call')
+    assert result.returncode == -9
+    assert 'rank 7' in result.stderr
+    assert 'MPI Allreduce made no progress for' in result.stderr
+    assert elapsed < 15
+    assert helpers.wait_until(lambda: not helpers.is_running(watchdog_pid), 5)
+
+
+@pytest.mark.timeout(60)
+def test_watchdog_leaves_a_healthy_rank_alone_and_stops(tmp_path):
+    result, watchdog_pid, heartbeat, _ = _watched(tmp_path, 'busy')
+    assert result.returncode == 0, result.stderr
+    assert 'stopped cleanly' in result.stdout
+    assert not helpers.is_running(watchdog_pid)
+    assert not os.path.exists(heartbeat)
+
+
+@pytest.mark.timeout(60)
+def test_watchdog_exits_when_its_rank_vanishes(tmp_path):
+    result, watchdog_pid, heartbeat, _ = _watched(tmp_path, 'vanish')
+    assert result.returncode == 0
+    assert helpers.wait_until(lambda: not helpers.is_running(watchdog_pid), 5)
+    assert helpers.wait_until(lambda: not os.path.exists(heartbeat), 5)
