@@ -431,23 +431,28 @@ class Pipeline:
                 if not (self._cache is not None and self._take_from_cache(
                         batch, position, int(batch.indices[position]))):
                     positions.append(position)
-            for chunk in self._chunks(positions):
+            for chunk in self._chunks(batch, positions):
                 self._submit_loads(batch, chunk)
 
-    def _chunks(self, positions):
+    def _chunks(self, batch, positions):
         """Splits positions staged together into one task per worker.
 
         One task per example costs a round trip each; examples that become
-        ready together (warm local copies, data in memory) go as one task
-        per worker instead.  With ``maxtasksperchild`` a task stays one
-        example, so the limit keeps counting examples.
+        ready together and read fast (local copies, data in memory) go as
+        one task per worker instead.  Examples read from shared storage go
+        one per task, so that slow reads spread over all workers.  With
+        ``maxtasksperchild`` a task stays one example, so the limit keeps
+        counting examples.
         """
         if self._maxtasksperchild is not None:
-            size = 1
-        else:
-            size = max(1, -(-len(positions) // self._n_processes))
-        return [positions[start:start + size]
-                for start in range(0, len(positions), size)]
+            return [[position] for position in positions]
+        fast = [position for position in positions
+                if self._stager is None or batch.use_local[position]]
+        slow = [[position] for position in positions
+                if not (self._stager is None or batch.use_local[position])]
+        size = max(1, -(-len(fast) // self._n_processes))
+        return [fast[start:start + size]
+                for start in range(0, len(fast), size)] + slow
 
     def _submit_loads(self, batch, positions):
         tasks = []
