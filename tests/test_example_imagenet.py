@@ -94,3 +94,44 @@ def test_generated_dataset_with_mean_and_resume(tmp_path):
     assert [entry['epoch'] for entry in log] == [1, 2], output[-3000:]
     assert log[1]['iteration'] == 2 * log[0]['iteration']
     assert 'validation/main/accuracy' in log[1]
+
+
+@pytest.mark.slow
+def test_train_with_a_capacity_limit_and_the_next_epoch_cache(tmp_path):
+    """Half the data fits locally; the next epoch's first examples stay in memory."""
+    data = tmp_path / 'data'
+    train_list, val_list = helpers.make_colour_dataset(str(data))
+    images = [os.path.join(folder, name) for folder, _, names
+              in os.walk(str(data)) for name in names if name.endswith('.JPEG')]
+    limit = sum(os.path.getsize(path) for path in images) // 2
+    local = tmp_path / 'local'
+    log, output = _train(
+        tmp_path, train_list, val_list, str(data), '--epoch', '3',
+        '--iterator', 'prefetch', '--local-dir', str(local),
+        '--copy-threads', '2', '--local-capacity', str(limit),
+        '--next-epoch-cache', '8')
+    _check_learns(log, output)
+    staged = sum(os.path.getsize(os.path.join(folder, name))
+                 for folder, _, names in os.walk(str(local / 'data'))
+                 for name in names)
+    assert staged <= limit
+    evicted = cached = 0
+    for rank in (0, 1):
+        with open(str(tmp_path / 'out' / 'time_breakdown_rank{}.json'.format(
+                rank))) as f:
+            stats = json.load(f)['iterator_stats']
+        evicted += stats['files_evicted']
+        cached += stats['next_epoch_cache']['hits']
+    assert evicted > 0 and cached > 0
+
+
+def test_sizes_are_parsed_with_units(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        'examples', 'imagenet'))
+    import train_imagenet
+    assert train_imagenet.parse_bytes('200G') == 200 * 2 ** 30
+    assert train_imagenet.parse_bytes('1.5m') == int(1.5 * 2 ** 20)
+    assert train_imagenet.parse_bytes('4096') == 4096
+    with pytest.raises(Exception, match='not a size'):
+        train_imagenet.parse_bytes('lots')

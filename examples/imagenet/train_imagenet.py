@@ -213,6 +213,13 @@ def parse_args(argv=None):
                              'iterator (shared by the ranks of a node)')
     parser.add_argument('--copy-threads', type=int, default=16,
                         help='copy threads of the prefetch iterator')
+    parser.add_argument('--local-capacity', type=parse_bytes, default=None,
+                        help='limit of the copies under --local-dir, e.g. '
+                             '200G (all ranks of a node share it); the '
+                             'examples needed farthest ahead are evicted')
+    parser.add_argument('--next-epoch-cache', type=int, default=None,
+                        help='examples of the next epoch each training '
+                             'iterator keeps in memory (prefetch iterator)')
     parser.add_argument('--start-method', choices=('fork', 'forkserver'),
                         default='forkserver',
                         help='multiprocessing start method (see the module '
@@ -278,6 +285,22 @@ def set_start_method(method):
         p.join()
 
 
+def parse_bytes(text):
+    """``'200G'`` -> bytes; suffixes K, M, G, T (powers of 1024) or none."""
+    units = {'K': 2 ** 10, 'M': 2 ** 20, 'G': 2 ** 30, 'T': 2 ** 40}
+    text = text.strip().upper().rstrip('B')
+    scale = units.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in units else text
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            'not a size: {!r} (e.g. 500M, 200G)'.format(text)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError('size must be positive: ' + text)
+    return int(value)
+
+
 def make_iterator(args, dataset, batch_size, train):
     kwargs = dict(repeat=train, shuffle=train, n_processes=args.loaderjob)
     if args.iterator == 'multiprocess':
@@ -285,10 +308,14 @@ def make_iterator(args, dataset, batch_size, train):
             dataset, batch_size, **kwargs)
     import chainer_prefetch
     # One directory for both iterators and all ranks of a node: copies are
-    # keyed by source path and guarded by file locks.
+    # keyed by source path and guarded by file locks, and the capacity limit
+    # is enforced jointly over all of them.
     return chainer_prefetch.PrefetchMultiprocessIterator(
         dataset, batch_size, local_dir=args.local_dir,
-        n_copy_threads=args.copy_threads, **kwargs)
+        n_copy_threads=args.copy_threads,
+        local_capacity=args.local_capacity,
+        next_epoch_cache_examples=args.next_epoch_cache if train else None,
+        **kwargs)
 
 
 def main(argv=None):
