@@ -47,7 +47,8 @@ class NextEpochCache:
                     name, value))
         self.max_examples = max_examples
         self.max_bytes = max_bytes
-        self._wanted: Dict[int, Dict[int, int]] = {}  # epoch -> index -> position
+        # epoch -> array: position of each index in the prefix, -1 if absent
+        self._wanted: Dict[int, numpy.ndarray] = {}
         self._held: Dict[tuple, tuple] = {}  # (epoch, index) -> (position, bytes, example)
         self._latest = []  # heap of (-position, tie, epoch, index)
         self._tie = itertools.count()
@@ -70,17 +71,24 @@ class NextEpochCache:
         """
         if epoch in self._wanted:
             return
-        prefix = numpy.asarray(order)
-        if self.max_examples is not None:
-            prefix = prefix[:self.max_examples]
-        wanted = {}
-        for position, index in enumerate(prefix.tolist()):
-            wanted.setdefault(index, position)
+        order = numpy.asarray(order)
+        prefix = order if self.max_examples is None else \
+            order[:self.max_examples]
+        size = int(order.max()) + 1 if len(order) else 0
+        wanted = numpy.full(size, -1, dtype=numpy.int64)
+        # Reversed, so that an index listed twice keeps its first position.
+        wanted[prefix[::-1]] = numpy.arange(len(prefix) - 1, -1, -1)
         self._wanted[epoch] = wanted
 
     def wants(self, index: int, epoch: int) -> bool:
         """Whether example ``index`` belongs to the planned prefix of ``epoch``."""
-        return index in self._wanted.get(epoch, ())
+        return self._position(index, epoch) is not None
+
+    def _position(self, index, epoch) -> Optional[int]:
+        wanted = self._wanted.get(epoch)
+        if wanted is None or not 0 <= index < len(wanted) or wanted[index] < 0:
+            return None
+        return int(wanted[index])
 
     def offer(self, index: int, epoch: int, example: Any, n_bytes: int) -> bool:
         """Keeps ``example`` for ``epoch`` if it is in its prefix and fits.
@@ -94,7 +102,7 @@ class NextEpochCache:
         Returns:
             Whether it was kept.
         """
-        position = self._wanted.get(epoch, {}).get(index)
+        position = self._position(index, epoch)
         if position is None or (epoch, index) in self._held:
             return False
         if self.max_bytes is not None and n_bytes > self.max_bytes:

@@ -180,15 +180,14 @@ class Pipeline:
         #: 'bytes_from_source' (stage 3), 'bytes_copied' (stage 2)} for the
         #: accesses of that epoch.
         self.by_epoch = collections.defaultdict(_epoch_counts)
-        self._future = FutureUses(self._dataset_length)
-        self._cache = next_epoch_cache
-        self.next_epoch_cache = next_epoch_cache  # read by the iterator's stats
+        self.next_epoch_cache = next_epoch_cache
         self._dispatch_epoch = 0
-        # With a capacity limit, stage 3 does not wait for a copy that has
-        # not started when its batch is the next to deliver: it reads the
-        # source.
-        self._read_source_if_not_copying = (stager is not None
-                                            and stager.limited)
+        # Only the eviction policy of a capacity limit needs next uses.  With
+        # a limit, stage 3 also does not wait for a copy that has not
+        # started when its batch is the next to deliver: it reads the source.
+        self._limited = stager is not None and stager.limited
+        self._future = (FutureUses(self._dataset_length) if self._limited
+                        else None)
 
     # ---- life cycle -------------------------------------------------------
 
@@ -325,9 +324,10 @@ class Pipeline:
                     future.cancel()
                 self._release_buffer_if_idle(batch)
         self._in_flight.clear()
-        self._future.clear()
-        if self._cache is not None:
-            self._cache.clear()
+        if self._future is not None:
+            self._future.clear()
+        if self.next_epoch_cache is not None:
+            self.next_epoch_cache.clear()
         if self._stager is not None:
             self._stager.forget_next_uses()
         self._state = self._restart_state
@@ -358,9 +358,11 @@ class Pipeline:
                 self._in_flight.append(EndOfData(self._state))
                 self._exhausted = True
                 return
-            following = [
-                self._future.following_use(int(index), first_access + position)
-                for position, index in enumerate(indices)]
+            following = None
+            if self._future is not None:
+                following = [self._future.following_use(int(index),
+                                                         first_access + position)
+                             for position, index in enumerate(indices)]
             batch = _Batch(indices, self._state, first_access, following)
             self._in_flight.append(batch)
             if self._stager is None or self._stager.disabled:
@@ -382,17 +384,19 @@ class Pipeline:
                     functools.partial(self._on_staged, batch, position))
 
     def _register_orders(self):
-        """Tells FutureUses (and the cache) the orders of the state's epoch and the next."""
+        """Tells FutureUses and the cache the orders of the state's epoch and the next."""
         for epoch in (self._state.epoch, self._state.epoch + 1):
             order = _lookahead.order_of_epoch(self._state, epoch,
                                               self._dataset_length)
-            if order is not None:
+            if order is None:
+                continue
+            if self._future is not None:
                 self._future.add_epoch(epoch, order)
-                if self._cache is not None and epoch > 0:
-                    self._cache.plan(epoch, order)
+            if self.next_epoch_cache is not None and epoch > 0:
+                self.next_epoch_cache.plan(epoch, order)
 
     def _cached(self, index, access):
-        return (self._cache is not None and self._cache.holds(
+        return (self.next_epoch_cache is not None and self.next_epoch_cache.holds(
             index, access // self._dataset_length))
 
     def _on_staged(self, batch, position, future):
@@ -420,7 +424,7 @@ class Pipeline:
                 continue
             if batch.buffer is None and self._free_buffers:
                 batch.buffer = self._free_buffers.pop()
-            if self._read_source_if_not_copying and window == 1:
+            if self._limited and window == 1:
                 # The next batch to deliver: what no copy thread has started
                 # is read from the source (the callback queues it).
                 for future in batch.copy_futures:
@@ -428,7 +432,7 @@ class Pipeline:
             positions = []
             while batch.staged_positions:
                 position = batch.staged_positions.popleft()
-                if not (self._cache is not None and self._take_from_cache(
+                if not (self.next_epoch_cache is not None and self._take_from_cache(
                         batch, position, int(batch.indices[position]))):
                     positions.append(position)
             for chunk in self._chunks(batch, positions):
@@ -475,6 +479,7 @@ class Pipeline:
             functools.partial(self._on_loaded, batch, positions))
 
     def _on_loaded(self, batch, positions, future):
+        from_source = []  # (epoch, index): their bytes are counted unlocked
         with self._cond:
             batch.outstanding -= 1
             if batch.stale or future.cancelled():  # reset, or shutting down
@@ -493,23 +498,38 @@ class Pipeline:
                     break
                 batch.results[position], read_locally = loaded
                 batch.loaded += 1
-                self._count_load(batch, position, index, read_locally)
+                access = batch.first_access + position
+                epoch = access // self._dataset_length
+                self._count_load(epoch, read_locally)
+                if not read_locally:
+                    from_source.append((epoch, index))
+                if self._limited:
+                    self._stager.loaded(index, access,
+                                        batch.following[position])
             self._cond.notify_all()
+        if from_source and self._stager is not None:
+            # Sizes not known yet are a stat on shared storage: not under
+            # the lock every stage waits on.
+            sizes = [(epoch, self._stager.example_bytes(index))
+                     for epoch, index in from_source]
+            with self._cond:
+                for epoch, size in sizes:
+                    self.by_epoch[epoch]['bytes_from_source'] += size
 
     def _take_from_cache(self, batch, position, index) -> bool:
         access = batch.first_access + position
         epoch = access // self._dataset_length
         if epoch > self._dispatch_epoch:  # what earlier epochs left is useless
             self._dispatch_epoch = epoch
-            self._cache.forget_before(epoch)
-        example = self._cache.take(index, epoch)
+            self.next_epoch_cache.forget_before(epoch)
+        example = self.next_epoch_cache.take(index, epoch)
         if example is None:
             return False
         batch.results[position] = example
         batch.from_cache.add(position)
         batch.loaded += 1
         self.by_epoch[epoch]['examples_from_cache'] += 1
-        if self._stager is not None:
+        if self._limited:
             self._stager.loaded(index, access, batch.following[position])
         return True
 
@@ -520,28 +540,23 @@ class Pipeline:
             index = int(batch.indices[position])
             epoch = (batch.first_access + position) // self._dataset_length
             with self._cond:
-                wanted = self._cache.wants(index, epoch + 1)
+                wanted = self.next_epoch_cache.wants(index, epoch + 1)
             if wanted:
                 offers.append((index, epoch + 1, copy.deepcopy(example),
                                _measure(example)))
         if offers:
             with self._cond:
                 for offer in offers:
-                    self._cache.offer(*offer)
+                    self.next_epoch_cache.offer(*offer)
 
-    def _count_load(self, batch, position, index, read_locally):
-        access = batch.first_access + position
-        counts = self.by_epoch[access // self._dataset_length]
+    def _count_load(self, epoch, read_locally):
+        counts = self.by_epoch[epoch]
         if read_locally:
             self.examples_from_local += 1
             counts['examples_from_local'] += 1
         else:
             self.examples_from_source += 1
             counts['examples_from_source'] += 1
-            if self._stager is not None:
-                counts['bytes_from_source'] += self._stager.example_bytes(index)
-        if self._stager is not None:
-            self._stager.loaded(index, access, batch.following[position])
 
     def _load_error(self, index, error):
         if self._stager is not None:
@@ -570,7 +585,7 @@ class Pipeline:
                         else _unpack(result, memory)
                         for position, result in enumerate(head.results)]
         head.results = None
-        if self._cache is not None:
+        if self.next_epoch_cache is not None:
             self._offer_to_cache(head, examples)
         if self._example_bytes is None:
             self._example_bytes = max(map(_measure, examples))

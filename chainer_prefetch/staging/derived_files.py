@@ -29,6 +29,11 @@ from typing import Any, BinaryIO
 class DerivedFile(str):
     """A file made from (a part of) ``origin``; subclasses say how.
 
+    Subclasses must implement :meth:`load_from_origin` and
+    :meth:`write_local_form` (``abc`` cannot enforce that on a ``str``
+    subclass, whose ``__new__`` skips the check, so the base methods raise
+    ``NotImplementedError``).
+
     Args:
         virtual_path: The path that names the local form (it must not be the
             path of a real source file, or the two would share a local copy).

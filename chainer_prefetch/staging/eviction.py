@@ -175,22 +175,23 @@ class FutureUses:
     def __init__(self, epoch_size: int, keep_epochs: int = 3):
         self.epoch_size = epoch_size
         self._keep = keep_epochs
-        self._positions: Dict[int, Dict] = {}
+        # epoch -> (indices sorted, their positions): the positions of one
+        # index are a contiguous, ascending run (stable sort).
+        self._sorted: Dict[int, tuple] = {}
 
     def add_epoch(self, epoch: int, order: Sequence[int]):
         """Registers the order of ``epoch`` (a no-op if already known)."""
-        if epoch in self._positions:
+        if epoch in self._sorted:
             return
-        positions: Dict[int, List[int]] = {}
-        for position, index in enumerate(numpy.asarray(order).tolist()):
-            positions.setdefault(index, []).append(position)
-        self._positions[epoch] = positions
-        for old in sorted(self._positions)[:-self._keep]:
-            del self._positions[old]
+        order = numpy.asarray(order)
+        by_index = numpy.argsort(order, kind='stable')
+        self._sorted[epoch] = (order[by_index], by_index)
+        for old in sorted(self._sorted)[:-self._keep]:
+            del self._sorted[old]
 
     def clear(self):
         """Forgets every order (after a reset)."""
-        self._positions.clear()
+        self._sorted.clear()
 
     def following_use(self, index: int, after: int) -> float:
         """The number of the first access to ``index`` after access ``after``.
@@ -199,11 +200,16 @@ class FutureUses:
             :data:`NEVER` when no registered order uses it again.
         """
         epoch, position = divmod(after, self.epoch_size)
-        for offset in (0, 1):
-            positions = self._positions.get(epoch + offset, {}).get(index, ())
-            for candidate in positions:
-                if offset or candidate > position:
-                    return (epoch + offset) * self.epoch_size + candidate
+        for offset, earliest in ((0, position + 1), (1, 0)):
+            known = self._sorted.get(epoch + offset)
+            if known is None:
+                continue
+            indices, positions = known
+            start, stop = numpy.searchsorted(indices, (index, index + 1))
+            run = positions[start:stop]
+            later = numpy.searchsorted(run, earliest)
+            if later < len(run):
+                return (epoch + offset) * self.epoch_size + int(run[later])
         return _NEVER
 
 

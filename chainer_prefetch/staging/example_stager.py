@@ -217,8 +217,7 @@ class ExampleStager:
     def _stage_within_budget(self, index, now) -> Tuple[bool, int]:
         sources = self._files.files(index)
         try:
-            missing = [source for source in sources
-                       if not self._has_valid_copy(source)]
+            missing = self._without_valid_copy(sources)
         except SourceFileError:
             self._counters.add(files_failed_source=1)
             return False, 0  # stage 3 reads the source and reports it
@@ -229,16 +228,16 @@ class ExampleStager:
             return True, 0
         if self.disabled:
             return False, 0
-        needed = sum(self._source_sizes[source] for source in missing)
+        needed = sum(source_stat.st_size for source_stat in missing.values())
         if not self._make_room(index, needed, now):
             self._counters.add(examples_bypassed=1)
             return False, 0
         self._counters.add(files_already_local=len(sources) - len(missing))
         reserved = needed
         total_copied = 0
-        for source in missing:
-            size = self._source_sizes[source]
-            copied = self._stage_file(source)
+        for source, source_stat in missing.items():
+            size = source_stat.st_size
+            copied = self._stage_file(source, source_stat)
             if copied is None:
                 self._ledger.release(reserved)
                 with self._policy_lock:
@@ -250,18 +249,22 @@ class ExampleStager:
             total_copied += copied
         return True, total_copied
 
-    def _has_valid_copy(self, source) -> bool:
-        """Whether ``source`` has a valid copy (one made earlier counts).
+    def _without_valid_copy(self, sources) -> Dict[str, os.stat_result]:
+        """The sources with no valid copy (copies made earlier count), with their stat.
 
         Raises:
-            SourceFileError: the source cannot be read.
+            SourceFileError: a source cannot be read.
         """
-        if self._known_local(source):
-            return True
-        if self._directory.is_valid(source, stat_source(source)):
-            self._mark_verified(source)
-            return True
-        return False
+        missing = {}
+        for source in sources:
+            if self._known_local(source):
+                continue
+            source_stat = stat_source(source)
+            if self._directory.is_valid(source, source_stat):
+                self._mark_verified(source)
+            else:
+                missing[source] = source_stat
+        return missing
 
     def _make_room(self, index, needed, now) -> bool:
         """Reserves ``needed`` bytes, evicting by the policy; False to bypass."""
@@ -301,7 +304,9 @@ class ExampleStager:
             for source, info in zip(sources, pool.map(stat_source, sources)):
                 self._source_sizes[source] = info.st_size
 
-    def _stage_file(self, source: str) -> Optional[int]:
+    def _stage_file(self, source: str,
+                    source_stat: Optional[os.stat_result] = None
+                    ) -> Optional[int]:
         """Copies one file; returns the bytes copied (0: was local), None on failure."""
         if self._known_local(source):
             self._counters.add(files_already_local=1)
@@ -309,7 +314,7 @@ class ExampleStager:
         if self.disabled:
             return None
         try:
-            copied = self._directory.stage(source)
+            copied = self._directory.stage(source, source_stat)
         except SourceFileError:
             # Stage 3 reads the source itself and reports the error with the
             # example's index; a transient failure may even succeed there.
