@@ -90,9 +90,14 @@ def figure4(report, out):
         report['preset']))
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    path = os.path.join(out, 'fig4_time_vs_processes.png')
+    return save_figure(fig, out, 'fig4_time_vs_processes.png')
+
+
+def save_figure(fig, out, name, dpi=120):
+    """Lays out, writes ``out/name`` and closes ``fig``; returns the path."""
+    path = os.path.join(out, name)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 
@@ -113,11 +118,7 @@ def figure5(report, out, n_processes=2):
     ax.set_title('Fig. 5: cumulative time, {} processes'.format(n_processes))
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    path = os.path.join(out, 'fig5_cumulative.png')
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out, 'fig5_cumulative.png')
 
 
 def figure6(report, out, n_processes=2):
@@ -143,11 +144,7 @@ def figure6(report, out, n_processes=2):
         n_processes))
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    path = os.path.join(out, 'fig6_copy_threads.png')
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out, 'fig6_copy_threads.png')
 
 
 def table2(report, n_processes=2):

@@ -28,6 +28,7 @@ import matplotlib.pyplot as plt  # NOQA: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_local_capacity  # NOQA: E402
+import plot_figures  # NOQA: E402
 
 COLOURS = {'belady': 'tab:green', 'lru': 'tab:red', 'fill_once': 'tab:blue'}
 LABELS = {'belady': 'Belady + look-ahead (ours)', 'lru': 'LRU',
@@ -70,9 +71,7 @@ def plot_capacity(report, out):
     axes[0].legend(fontsize=8)
     figure.suptitle('Steady state (epochs 2+), {} images, {} preset'.format(
         report['n_images'], report['preset']))
-    figure.tight_layout()
-    figure.savefig(os.path.join(out, 'fig_capacity.png'), dpi=110)
-    plt.close(figure)
+    plot_figures.save_figure(figure, out, 'fig_capacity.png', dpi=110)
 
 
 def plot_epochs(report, out):
@@ -95,9 +94,7 @@ def plot_epochs(report, out):
         axis.grid(alpha=0.3)
     axes[0].set_ylabel('read from shared storage (% of dataset)')
     axes[0].legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(os.path.join(out, 'fig_capacity_epochs.png'), dpi=110)
-    plt.close(figure)
+    plot_figures.save_figure(figure, out, 'fig_capacity_epochs.png', dpi=110)
 
 
 def plot_cache(report, out):
@@ -118,9 +115,7 @@ def plot_cache(report, out):
         bench_local_capacity.FIRST_BATCHES))
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(os.path.join(out, 'fig_next_epoch_cache.png'), dpi=110)
-    plt.close(figure)
+    plot_figures.save_figure(figure, out, 'fig_next_epoch_cache.png', dpi=110)
 
 
 def write_table(report, out):

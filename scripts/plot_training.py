@@ -38,6 +38,9 @@ import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # NOQA: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import plot_figures  # NOQA: E402
+
 METHODS = ('baseline-local', 'baseline-remote', 'proposed')
 PAPER_NAMES = {'baseline-local': 'baseline+SSD',
                'baseline-remote': 'baseline+Lustre',
@@ -198,11 +201,7 @@ def figure7(data, runs, out):
     _grouped_bars(ax, runs)
     ax.set_title('Fig. 7: {} epochs, total time per process count'.format(
         data['config']['epochs']))
-    path = os.path.join(out, 'fig7_total_time.png')
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return plot_figures.save_figure(fig, out, 'fig7_total_time.png')
 
 
 def figure8(data, runs, out):
@@ -211,11 +210,7 @@ def figure8(data, runs, out):
     _grouped_bars(ax, runs, copy_seconds=copy.get('seconds'),
                   copy_ways=copy.get('ways', 8))
     ax.set_title('Fig. 8: total time, copy time added to baseline-local')
-    path = os.path.join(out, 'fig8_total_with_copy.png')
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return plot_figures.save_figure(fig, out, 'fig8_total_with_copy.png')
 
 
 def figures9_11(data, runs, out):
