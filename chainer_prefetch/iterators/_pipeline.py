@@ -535,15 +535,16 @@ class Pipeline:
 
     def _offer_to_cache(self, batch, examples):
         """Copies the examples the next epoch's prefix wants (outside the lock)."""
-        offers = []
-        for position, example in enumerate(examples):
-            index = int(batch.indices[position])
-            epoch = (batch.first_access + position) // self._dataset_length
-            with self._cond:
-                wanted = self.next_epoch_cache.wants(index, epoch + 1)
-            if wanted:
-                offers.append((index, epoch + 1, copy.deepcopy(example),
-                               _measure(example)))
+        candidates = [
+            (position, int(index),
+             (batch.first_access + position) // self._dataset_length + 1)
+            for position, index in enumerate(batch.indices)]
+        with self._cond:
+            wanted = [candidate for candidate in candidates
+                      if self.next_epoch_cache.wants(*candidate[1:])]
+        offers = [(index, epoch, copy.deepcopy(examples[position]),
+                   _measure(examples[position]))
+                  for position, index, epoch in wanted]
         if offers:
             with self._cond:
                 for offer in offers:
