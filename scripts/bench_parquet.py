@@ -76,8 +76,12 @@ def _open_ours(config: Dict, columns: List[str]):
                                            RowGroupWindowOrderSampler)
     window = config['window']
     dataset = ParquetDataset(config['source'], columns=columns,
-                             cache_row_groups=window,
-                             local_row_groups=2 * window + 2)
+                             cache_row_groups=window)
+    # Local room for 2 * window + 2 row groups, as the earlier LRU of the
+    # dataset kept: the local store evicts by the known order within it.
+    groups = numpy.cumsum(dataset.row_group_sizes) - dataset.row_group_sizes
+    largest = max(dataset.example_files(int(first))[0].estimated_local_bytes(None)
+                  for first in groups)
     sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes,
                                          window=window, seed=config['seed'])
     if config['method'] == 'ours-chainer':
@@ -87,7 +91,8 @@ def _open_ours(config: Dict, columns: List[str]):
     else:
         iterator = PrefetchMultiprocessIterator(
             dataset, BATCH_SIZE, n_processes=config['workers'],
-            order_sampler=sampler, local_dir=config['local_dir'])
+            order_sampler=sampler, local_dir=config['local_dir'],
+            local_capacity=(2 * window + 2) * largest)
     return iterator, dataset
 
 
@@ -97,8 +102,7 @@ def _ours_batches(config: Dict, columns: List[str], staging: Dict):
         while True:
             yield [example['id'] for example in iterator.next()]
     finally:
-        staging.update(getattr(iterator, 'stats', {}),
-                       dropped_local_row_groups=dataset.dropped_local_row_groups)
+        staging.update(getattr(iterator, 'stats', {}))
         iterator.finalize()
 
 

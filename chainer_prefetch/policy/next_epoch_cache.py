@@ -1,7 +1,7 @@
 """The next-epoch cache: examples that the next epoch needs first, kept in memory.
 
 While epoch ``e`` runs, the order of epoch ``e + 1`` is already drawn (see
-:mod:`chainer_prefetch.iterators._lookahead`).  Every example of epoch ``e``
+:mod:`chainer_prefetch.policy.lookahead`).  Every example of epoch ``e``
 passes through the iterator once; those among the first ones of epoch
 ``e + 1`` (the prefix ``S_next[:k]``) are copied into this cache as they pass,
 and epoch ``e + 1`` takes them from memory instead of loading them again, so
@@ -13,7 +13,10 @@ When the bound is reached, an example earlier in ``S_next`` replaces the
 cached one that comes latest, so the cache converges on the true prefix
 whatever order the examples pass in.
 
-Pure bookkeeping (no threads, no I/O): the pipeline calls it under its lock.
+Pure bookkeeping (no threads, no I/O), owned by the iterator's scheduler.
+Memory: one ``int32`` per example for the planned prefix of each pending
+epoch, the examples held, and a heap whose outdated entries are dropped
+whenever they outnumber the held ones.
 """
 import heapq
 import itertools
@@ -75,7 +78,7 @@ class NextEpochCache:
         prefix = order if self.max_examples is None else \
             order[:self.max_examples]
         size = int(order.max()) + 1 if len(order) else 0
-        wanted = numpy.full(size, -1, dtype=numpy.int64)
+        wanted = numpy.full(size, -1, dtype=numpy.int32)
         # Reversed, so that an index listed twice keeps its first position.
         wanted[prefix[::-1]] = numpy.arange(len(prefix) - 1, -1, -1)
         self._wanted[epoch] = wanted
@@ -165,6 +168,16 @@ class NextEpochCache:
     def _drop(self, key):
         position, n_bytes, _ = self._held.pop(key)
         self._bytes -= n_bytes
+        if len(self._latest) > 2 * len(self._held) + 64:
+            self._latest = [(-_rank(epoch, entry[0]), next(self._tie), epoch,
+                             index)
+                            for (epoch, index), entry in self._held.items()]
+            heapq.heapify(self._latest)
+
+    @property
+    def heap_size(self) -> int:
+        """Entries in the internal heap (bounded by about twice the examples held)."""
+        return len(self._latest)
 
 
 def _rank(epoch, position):
