@@ -10,12 +10,17 @@
 * ``python -m chainer_prefetch.resilience.launcher``: checkpoint/restart
   (relaunches a failed ``mpirun`` job, which resumes from its snapshot).
 
-See ``docs/fault_tolerance.rst``.
+See ``docs/fault_tolerance.rst``.  Needs ``mpi4py`` and Open MPI:
+``pip install 'chainer_prefetch[mpi]'``.
 """
-from chainer_prefetch.resilience.errors import ProcessFailure  # NOQA
-from chainer_prefetch.resilience.errors import RecoveryFailed  # NOQA
-from chainer_prefetch.resilience.errors import UlfmUnavailable  # NOQA
-from chainer_prefetch.resilience.policy import LR_RULES  # NOQA
-from chainer_prefetch.resilience.ulfm import check_ulfm  # NOQA
-from chainer_prefetch.resilience.ulfm import ulfm_status  # NOQA
-from chainer_prefetch.resilience.watchdog import WatchdogSettings  # NOQA
+from chainer_prefetch._extras import require_extra
+
+require_extra('mpi', 'chainer_prefetch.resilience', ['mpi4py'])
+
+from chainer_prefetch.resilience.errors import ProcessFailure  # noqa: E402, F401
+from chainer_prefetch.resilience.errors import RecoveryFailed  # noqa: E402, F401
+from chainer_prefetch.resilience.errors import UlfmUnavailable  # noqa: E402, F401
+from chainer_prefetch.resilience.policy import LR_RULES  # noqa: E402, F401
+from chainer_prefetch.resilience.ulfm import check_ulfm  # noqa: E402, F401
+from chainer_prefetch.resilience.ulfm import ulfm_status  # noqa: E402, F401
+from chainer_prefetch.resilience.watchdog import WatchdogSettings  # noqa: E402, F401
