@@ -2,8 +2,7 @@
 import numpy
 import pytest
 
-from chainer_prefetch.staging.eviction import (NEVER, FutureUses, ResidentSet,
-                                               next_use, simulate)
+from chainer_prefetch.staging.eviction import NEVER, FutureUses, ResidentSet, next_use, simulate
 
 UNIT = {item: 1 for item in 'abcde'}
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import helpers
-import make_dataset
-import mpi_launch
+from chainer_prefetch_bench.testbed import jpeg_dataset as make_dataset
+from chainer_prefetch_bench.testbed import mpi_launch
 
 TIMEOUT = 300
 

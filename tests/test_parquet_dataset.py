@@ -4,16 +4,20 @@ import os
 import shutil
 
 import chainer
+import make_parquet_dataset
 import numpy as np
 import pyarrow
 import pyarrow.parquet
 import pytest
 from PIL import Image
 
-import make_parquet_dataset
-from chainer_prefetch.datasets import (ParquetColumnError, ParquetDataset,
-                                       ParquetFileError, ParquetSchemaError,
-                                       RowGroupWindowOrderSampler)
+from chainer_prefetch.datasets import (
+    ParquetColumnError,
+    ParquetDataset,
+    ParquetFileError,
+    ParquetSchemaError,
+    RowGroupWindowOrderSampler,
+)
 
 ROWS, FILES, ROW_GROUP_ROWS = 90, 3, 10  # files of 30 rows: 10 + 10 + 10
 

@@ -3,15 +3,14 @@ import multiprocessing
 import os
 import pickle
 
+import make_parquet_dataset
 import pyarrow
 import pyarrow.ipc
 import pyarrow.parquet
 import pytest
 
-import make_parquet_dataset
 from chainer_prefetch import PrefetchMultiprocessIterator
-from chainer_prefetch.datasets import (ParquetDataset, RowGroupFile,
-                                       RowGroupWindowOrderSampler)
+from chainer_prefetch.datasets import ParquetDataset, RowGroupFile, RowGroupWindowOrderSampler
 from chainer_prefetch.staging import LocalDirectory, SourceFileError
 
 ROWS, FILES, ROW_GROUP_ROWS = 120, 3, 10  # 12 row groups

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 import helpers
-import mpi_launch
+from chainer_prefetch_bench.testbed import mpi_launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, 'examples', 'imagenet')

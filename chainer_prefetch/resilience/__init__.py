@@ -17,10 +17,14 @@ from chainer_prefetch._extras import require_extra
 
 require_extra('mpi', 'chainer_prefetch.resilience', ['mpi4py'])
 
-from chainer_prefetch.resilience.errors import ProcessFailure  # noqa: E402, F401
-from chainer_prefetch.resilience.errors import RecoveryFailed  # noqa: E402, F401
-from chainer_prefetch.resilience.errors import UlfmUnavailable  # noqa: E402, F401
-from chainer_prefetch.resilience.policy import LR_RULES  # noqa: E402, F401
-from chainer_prefetch.resilience.ulfm import check_ulfm  # noqa: E402, F401
-from chainer_prefetch.resilience.ulfm import ulfm_status  # noqa: E402, F401
-from chainer_prefetch.resilience.watchdog import WatchdogSettings  # noqa: E402, F401
+from chainer_prefetch.resilience.errors import (  # noqa: E402
+    ProcessFailure,
+    RecoveryFailed,
+    UlfmUnavailable,
+)
+from chainer_prefetch.resilience.policy import LR_RULES  # noqa: E402
+from chainer_prefetch.resilience.ulfm import check_ulfm, ulfm_status  # noqa: E402
+from chainer_prefetch.resilience.watchdog import WatchdogSettings  # noqa: E402
+
+__all__ = ['LR_RULES', 'ProcessFailure', 'RecoveryFailed', 'UlfmUnavailable',
+           'WatchdogSettings', 'check_ulfm', 'ulfm_status']

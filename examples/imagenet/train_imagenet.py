@@ -70,21 +70,21 @@ import random
 import sys
 import time
 
-import numpy as np
-
 import chainer
+import chainermn
+import numpy as np
 from chainer import training
 from chainer.training import extensions
-import chainermn
 
 # ``models`` lives next to this script; make it importable however the
 # script is started (the forkserver children import this file as well).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import ARCHS  # NOQA: E402
-from time_breakdown import COMPONENTS  # NOQA: E402
-from time_breakdown import install_time_breakdown  # NOQA: E402
-from time_breakdown import TimedUpdater  # NOQA: E402
-
+from time_breakdown import (
+    COMPONENTS,  # NOQA: E402
+    TimedUpdater,  # NOQA: E402
+    install_time_breakdown,  # NOQA: E402
+)
 
 CPU_COMMUNICATORS = ('naive',)
 """ChainerMN 7.8.1 communicators that work without CuPy."""
@@ -469,9 +469,9 @@ def train_fault_tolerant(args):
     if args.gpu or args.communicator != 'naive':
         sys.exit('--fault-tolerance runs on the CPU with the naive '
                  'communicator (drop --gpu / --communicator)')
-    from chainer_prefetch.resilience import recovery, training as ft_training
-    from chainer_prefetch.resilience.communicator import (
-        FaultTolerantCommunicator)
+    from chainer_prefetch.resilience import recovery
+    from chainer_prefetch.resilience import training as ft_training
+    from chainer_prefetch.resilience.communicator import FaultTolerantCommunicator
     from chainer_prefetch.resilience.errors import ProcessFailure
     started = time.time()
     watchdog = WatchdogSettings(args.stop_timeout, args.call_timeout)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """A local directory smaller than the dataset, and the next-epoch cache, measured.
 
-Every run reads an ImageNet-like JPEG dataset (scripts/make_dataset.py)
-through emulated shared storage (scripts/shared_storage.py, a real FUSE
+Every run reads an ImageNet-like JPEG dataset (``testbed.jpeg_dataset``)
+through emulated shared storage (``testbed.storage``, a real FUSE
 mount) with PrefetchMultiprocessIterator for several epochs, in a fresh
 child process, with an empty local directory and a dropped page cache:
 
@@ -24,25 +24,25 @@ while the first copies were queued).
 
 Usage::
 
-    python scripts/bench_local_capacity.py                 # full: ~10 min
-    python scripts/bench_local_capacity.py --quick         # ~2 min
-    python scripts/plot_local_capacity.py results/capacity/capacity.json
+    python -m chainer_prefetch_bench.capacity.bench            # full: ~10 min
+    python -m chainer_prefetch_bench.capacity.bench --quick    # ~2 min
+    python -m chainer_prefetch_bench.capacity.plot results/capacity/capacity.json
 
 Output: a JSON file with every run, and the tables on stdout.
 """
 import argparse
-import json
 import os
 import shutil
 import statistics
 import sys
 import time
 
-SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, SCRIPTS)
-
-import bench_minibatch  # NOQA: E402
-import shared_storage  # NOQA: E402
+from chainer_prefetch_bench.testbed import storage
+from chainer_prefetch_bench.testbed.jpeg_dataset import cached_dataset
+from chainer_prefetch_bench.testbed.machine import machine_description
+from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
+from chainer_prefetch_bench.testbed.processes import answer_child, exit_on_sigterm, run_in_child
+from chainer_prefetch_bench.testbed.report import write_json
 
 POLICIES = ('belady', 'lru', 'fill_once')
 BATCH_SIZE = 32
@@ -221,7 +221,7 @@ def parse_args(argv):
     parser.add_argument('--cache-examples', type=int, default=64,
                         help='next-epoch cache size (0: skip those runs)')
     parser.add_argument('--preset', default='paper',
-                        choices=sorted(shared_storage.PRESETS))
+                        choices=sorted(storage.PRESETS))
     parser.add_argument('--out', default='results/capacity/capacity.json')
     parser.add_argument('--run-timeout', type=float, default=1200)
     parser.add_argument('--quick', action='store_true',
@@ -241,12 +241,15 @@ def parse_args(argv):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if bench_minibatch.answer_child(argv, run_one):
+    if answer_child(argv, run_one):
         return 0
     args = parse_args(argv)
-    dataset_dir = bench_minibatch.prepare(args.workdir, args.n_images)
-    if dataset_dir is None:
+    exit_on_sigterm()
+    problem = storage.fuse_problem()
+    if problem:
+        print('FUSE is not usable here: ' + problem, file=sys.stderr)
         return 2
+    dataset_dir = cached_dataset(args.workdir, args.n_images)
     list_file = os.path.join(dataset_dir, 'train.txt')
     with open(list_file) as lines:
         names = [line.split()[0] for line in lines if line.strip()]
@@ -256,7 +259,7 @@ def main(argv=None):
     local_dir = os.path.join(args.workdir, 'local')
     os.makedirs(mountpoint, exist_ok=True)
     runs = []
-    with shared_storage.mounted(dataset_dir, mountpoint, preset=args.preset):
+    with storage.mounted(dataset_dir, mountpoint, preset=args.preset):
         for config in plan_runs(args):
             fraction = config['fraction']
             config.update(
@@ -267,9 +270,8 @@ def main(argv=None):
                 n_processes=args.processes, copy_threads=args.copy_threads,
                 copy_ahead=args.copy_ahead, epochs=args.epochs)
             shutil.rmtree(local_dir, ignore_errors=True)
-            shared_storage.drop_page_cache(dataset_dir)
-            run = bench_minibatch.run_in_child(config, args.run_timeout,
-                                               script=__file__)
+            drop_page_cache(dataset_dir)
+            run = run_in_child(__spec__.name, config, args.run_timeout)
             annotate(run, dataset_bytes)
             runs.append(run)
             print('{kind:<8} limit {fraction} {policy} cache {cache_examples}:'
@@ -278,15 +280,13 @@ def main(argv=None):
                                               row['shared_fraction'])
                       for row in run['epochs']), **config), flush=True)
     shutil.rmtree(local_dir, ignore_errors=True)
-    report = {'command': 'python scripts/bench_local_capacity.py ' + ' '.join(argv),
-              'machine': bench_minibatch.machine_description(),
+    report = {'command': 'python -m {} {}'.format(__spec__.name, ' '.join(argv)),
+              'machine': machine_description(),
               'preset': args.preset,
-              'storage_params': shared_storage.PRESETS[args.preset],
+              'storage_params': storage.PRESETS[args.preset],
               'n_images': args.n_images, 'dataset_bytes': dataset_bytes,
               'batch_size': BATCH_SIZE, 'runs': runs}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, 'w') as out:
-        json.dump(report, out, indent=1)
+    write_json(args.out, report)
     print_capacity_table(runs)
     print_cache_table(runs)
     print('\nwrote ' + args.out)

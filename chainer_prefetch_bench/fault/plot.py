@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Figures of scripts/run_fault_experiments.py.
+"""Figures of the fault-tolerance experiments (``fault.run``).
 
 Usage::
 
-    python scripts/plot_fault_experiments.py --results results/fault
+    python -m chainer_prefetch_bench.fault.plot --results results/fault
 
 Reads ``recovery.json``, ``checkpoint_cost.json`` and ``curves.json`` and
 writes ``fig5_recovery_time.png`` (recovery time per strategy and number of
@@ -20,8 +20,9 @@ import sys
 from typing import Optional, Sequence
 
 import matplotlib
+
 matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # NOQA: E402
+import matplotlib.pyplot as plt  # noqa: E402
 
 STRATEGIES = ('respawn', 'shrink', 'checkpoint')
 COLOURS = {'respawn': 'tab:blue', 'shrink': 'tab:green',

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Medians over several runs of scripts/bench_parquet.py: table and figure.
+"""Medians over several runs of the Parquet benchmark: table and figure.
 
 Usage::
 
-    python scripts/plot_parquet.py results/parquet/run*/bench.json \\
+    python -m chainer_prefetch_bench.parquet.plot results/parquet/run*/bench.json \\
         --out results/parquet
 """
 import argparse
@@ -13,9 +13,7 @@ import statistics
 import sys
 from typing import Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_parquet  # NOQA: E402
+from chainer_prefetch_bench.parquet import bench
 
 _MEDIAN_FIELDS = ('rows_per_s', 'peak_rss_mb', 'peak_pss_mb', 'first_batch_s',
                   'row_groups_per_batch')
@@ -60,11 +58,11 @@ def main(argv=None) -> int:
     merged['command'] = 'medians of {} runs: {}'.format(
         len(reports), '; '.join(report['command'] for report in reports))
     os.makedirs(args.out, exist_ok=True)
-    text = bench_parquet.format_table(merged['runs'])
+    text = bench.format_table(merged['runs'])
     print(text)
     with open(os.path.join(args.out, 'table_medians.txt'), 'w') as f:
         f.write(merged['command'] + '\n\n' + text + '\n')
-    bench_parquet.plot(merged, os.path.join(args.out, 'throughput_memory.png'))
+    bench.plot(merged, os.path.join(args.out, 'throughput_memory.png'))
     return 0
 
 

@@ -3,14 +3,14 @@
 
 Trains ``examples/imagenet/train_imagenet.py`` (``--arch tiny``, CPU,
 ``naive`` communicator) with K = 1, 2, 4 MPI processes on one machine, on a
-dataset made by ``scripts/make_dataset.py``, three ways:
+dataset made by ``testbed.jpeg_dataset``, three ways:
 
 ``baseline-local``
     Chainer's ``MultiprocessIterator`` reading the dataset folder directly
     (the paper's baseline+SSD, i.e. after the dataset was copied);
 ``baseline-remote``
     ``MultiprocessIterator`` reading the same files through the emulated
-    shared storage (``scripts/shared_storage.py``, a FUSE mount with
+    shared storage (``testbed.storage``, a FUSE mount with
     ``--preset paper`` latencies and bandwidth; baseline+Lustre);
 ``proposed``
     ``--iterator prefetch`` reading the mount, staging to ``--local-dir``,
@@ -24,7 +24,7 @@ dataset files is dropped (``posix_fadvise(DONTNEED)``).  Every run's wall
 time (``mpiexec`` start to exit), the per-rank time breakdowns
 (``time_breakdown_rank*.json``), the log and the output tail go to
 ``OUT/raw.json``, rewritten after each run (the runs' own folders, with
-their snapshots, stay under ``--work``); ``scripts/plot_training.py``
+their snapshots, stay under ``--work``); ``training.plot``
 then writes the figures and tables into ``OUT`` (also run at the end, or
 alone with ``--plot-only``).
 
@@ -55,32 +55,29 @@ smallest generated images are 60 px high, so crops up to 56 work.
 
 Usage::
 
-    python scripts/run_training_experiments.py            # the full set
-    python scripts/run_training_experiments.py --images 256 --epochs 2 \\
-        --procs 1,2 --out results/tmp/training_small     # a quick check
-    python scripts/run_training_experiments.py --plot-only --out results/training
+    python -m chainer_prefetch_bench.training.run            # the full set
+    python -m chainer_prefetch_bench.training.run --images 256 --epochs 2 \\
+        --procs 1,2 --out results/tmp/training_small      # a quick check
+    python -m chainer_prefetch_bench.training.run --plot-only --out results/training
 
-Needs FUSE (see ``scripts/shared_storage.py``) and ``mpiexec`` (Open MPI; as
+Needs FUSE (see ``testbed.storage``) and ``mpiexec`` (Open MPI; as
 root, ``OMPI_ALLOW_RUN_AS_ROOT`` and ``..._CONFIRM`` are set for it).
 """
 import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
-import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(REPO, 'scripts')
-sys.path.insert(0, SCRIPTS)
-
-import make_dataset  # NOQA: E402
-import mpi_launch  # NOQA: E402
-import shared_storage  # NOQA: E402
+from chainer_prefetch_bench.testbed import jpeg_dataset as make_dataset
+from chainer_prefetch_bench.testbed import mpi_launch, storage
+from chainer_prefetch_bench.testbed.machine import machine_description
+from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
+from chainer_prefetch_bench.testbed.processes import exit_on_sigterm
+from chainer_prefetch_bench.testbed.report import write_json as save
 
 METHODS = ('baseline-local', 'baseline-remote', 'proposed')
 
@@ -112,7 +109,7 @@ def parse_args(argv=None):
                         help='parallel copies for the copy-time measurement '
                              '(Table 3: 8)')
     parser.add_argument('--preset', default='paper',
-                        choices=sorted(shared_storage.PRESETS),
+                        choices=sorted(storage.PRESETS),
                         help='shared-storage emulation preset')
     parser.add_argument('--start-method', default='forkserver',
                         choices=('fork', 'forkserver'))
@@ -135,7 +132,8 @@ def parse_args(argv=None):
     if args.val_images is None:
         args.val_images = max(args.images // 20, 16)
     if args.work is None:
-        args.work = os.path.join(REPO, 'results', 'tmp', 'training_work')
+        args.work = os.path.join(mpi_launch.REPO, 'results', 'tmp',
+                                 'training_work')
     return args
 
 
@@ -201,7 +199,7 @@ def measure_copy(args, data_dir, mount_dir, target):
     relpaths += [name for name in ('train.txt', 'val.txt')
                  if os.path.exists(os.path.join(data_dir, name))]
     empty_dir(target)
-    shared_storage.drop_page_cache(data_dir)
+    drop_page_cache(data_dir)
     for rel in relpaths:
         os.makedirs(os.path.dirname(os.path.join(target, rel)),
                     exist_ok=True)
@@ -254,7 +252,7 @@ def run_training(args, method, procs, data_dir, mount, local_dir, runs_dir):
     run_out = os.path.join(runs_dir, '{}_k{}'.format(method, procs))
     shutil.rmtree(run_out, ignore_errors=True)
     empty_dir(local_dir)
-    dropped = shared_storage.drop_page_cache(data_dir)
+    dropped = drop_page_cache(data_dir)
     cmd = training_command(args, method, procs, data_dir, mount.mountpoint,
                            local_dir, run_out)
     print('run: {} K={} ...'.format(method, procs), flush=True)
@@ -294,30 +292,17 @@ def run_training(args, method, procs, data_dir, mount, local_dir, runs_dir):
     return result
 
 
-def machine_description():
-    return dict(platform=platform.platform(), python=sys.version.split()[0],
-                cpus=os.cpu_count(), hostname=platform.node(),
-                loadavg_at_start=os.getloadavg())
-
-
-def save(path, data):
-    partial = path + '.partial'
-    with open(partial, 'w') as f:
-        json.dump(data, f, indent=1)
-    os.replace(partial, path)
-
-
 def main(argv=None):
     args = parse_args(argv)
     # A SIGTERM (e.g. a job's time limit) still unmounts the emulated storage.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    exit_on_sigterm()
     os.makedirs(args.out, exist_ok=True)
     raw_path = os.path.join(args.out, 'raw.json')
-    import plot_training
+    from chainer_prefetch_bench.training import plot as plot_training
     if args.plot_only:
         return plot_training.main([raw_path, '--out', args.out])
 
-    problem = shared_storage.fuse_problem()
+    problem = storage.fuse_problem()
     if problem:
         sys.exit('emulated shared storage unavailable: ' + problem)
     work = os.path.abspath(args.work)
@@ -335,11 +320,11 @@ def main(argv=None):
     config = {key: value for key, value in vars(args).items()}
     data = dict(config=config, dataset=dataset,
                 machine=machine_description(),
-                preset=shared_storage.PRESETS[args.preset],
+                preset=storage.PRESETS[args.preset],
                 started=time.strftime('%Y-%m-%d %H:%M:%S'),
                 copy=None, runs=[])
     save(raw_path, data)
-    with shared_storage.mounted(data_dir, mountpoint=mount_dir,
+    with storage.mounted(data_dir, mountpoint=mount_dir,
                                 preset=args.preset) as mount:
         data['copy'] = measure_copy(args, data_dir, mount.mountpoint,
                                     copy_dir)

@@ -27,7 +27,7 @@ whatever the number of worker processes.
 
 Usage::
 
-    python scripts/make_dataset.py OUT_DIR --n-images 2000 --n-classes 10 \\
+    python -m chainer_prefetch_bench.testbed.jpeg_dataset OUT_DIR --n-images 2000 --n-classes 10 \\
         --seed 0 [--val-images 200] [--mean-size 110000] [--workers 2]
 """
 import argparse
@@ -360,6 +360,25 @@ def generate(out_dir: str, n_images: int, n_classes: int, seed: int,
     np.save(os.path.join(out_dir, 'mean.npy'),
             (mean_sum / mean_count).astype(np.float32))
     return Summary(len(sizes), sum(sizes), time.perf_counter() - start)
+
+
+def cached_dataset(workdir: str, n_images: int) -> str:
+    """The benchmarks' dataset of ``n_images`` training images (made once).
+
+    100 classes, seed 0, kept as ``WORKDIR/dataset-N`` for later runs.
+
+    Args:
+        workdir: Where the dataset is kept.
+        n_images: Training images.
+
+    Returns:
+        The dataset's folder (with ``train.txt``).
+    """
+    dataset_dir = os.path.join(workdir, 'dataset-{}'.format(n_images))
+    if not os.path.exists(os.path.join(dataset_dir, 'train.txt')):
+        print('generating {} images into {}'.format(n_images, dataset_dir))
+        generate(dataset_dir, n_images, n_classes=100, seed=0)
+    return dataset_dir
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

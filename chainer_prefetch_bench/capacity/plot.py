@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Figures and table of scripts/bench_local_capacity.py.
+"""Figures and table of the capacity benchmark (``capacity.bench``).
 
 Usage::
 
-    python scripts/plot_local_capacity.py results/capacity/capacity.json \\
+    python -m chainer_prefetch_bench.capacity.plot results/capacity/capacity.json \\
         --out results/capacity
 
 Writes ``fig_capacity.png`` (per policy, against the limit: bytes read from
@@ -24,11 +24,10 @@ import sys
 import matplotlib
 
 matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # NOQA: E402
+import matplotlib.pyplot as plt  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_local_capacity  # NOQA: E402
-import plot_figures  # NOQA: E402
+from chainer_prefetch_bench.capacity import bench  # noqa: E402
+from chainer_prefetch_bench.testbed.report import save_figure  # noqa: E402
 
 COLOURS = {'belady': 'tab:green', 'lru': 'tab:red', 'fill_once': 'tab:blue'}
 LABELS = {'belady': 'Belady + look-ahead (ours)', 'lru': 'LRU',
@@ -43,7 +42,7 @@ def capacity_runs(report):
 def plot_capacity(report, out):
     runs = capacity_runs(report)
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for policy in bench_local_capacity.POLICIES:
+    for policy in bench.POLICIES:
         mine = sorted((run for run in runs
                        if run['config']['policy'] == policy),
                       key=lambda run: run['config']['fraction'])
@@ -53,11 +52,11 @@ def plot_capacity(report, out):
         style = dict(marker='o', color=COLOURS[policy], label=LABELS[policy],
                      linewidth=3 if policy == 'belady' else 1.5,
                      zorder=3 if policy == 'belady' else 2)
-        axes[0].plot(limits, [100 * bench_local_capacity.steady(
+        axes[0].plot(limits, [100 * bench.steady(
             run, 'shared_fraction') for run in mine], **style)
-        axes[1].plot(limits, [100 * bench_local_capacity.steady(
+        axes[1].plot(limits, [100 * bench.steady(
             run, 'local_share') for run in mine], **style)
-        axes[2].plot(limits, [bench_local_capacity.steady(run, 'seconds')
+        axes[2].plot(limits, [bench.steady(run, 'seconds')
                               for run in mine], **style)
     limits = sorted({100 * run['config']['fraction'] for run in runs})
     axes[0].plot(limits, [100 - limit for limit in limits], 'k--',
@@ -71,7 +70,7 @@ def plot_capacity(report, out):
     axes[0].legend(fontsize=8)
     figure.suptitle('Steady state (epochs 2+), {} images, {} preset'.format(
         report['n_images'], report['preset']))
-    plot_figures.save_figure(figure, out, 'fig_capacity.png', dpi=110)
+    save_figure(figure, out, 'fig_capacity.png', dpi=110)
 
 
 def plot_epochs(report, out):
@@ -94,7 +93,7 @@ def plot_epochs(report, out):
         axis.grid(alpha=0.3)
     axes[0].set_ylabel('read from shared storage (% of dataset)')
     axes[0].legend(fontsize=8)
-    plot_figures.save_figure(figure, out, 'fig_capacity_epochs.png', dpi=110)
+    save_figure(figure, out, 'fig_capacity_epochs.png', dpi=110)
 
 
 def plot_cache(report, out):
@@ -112,10 +111,10 @@ def plot_cache(report, out):
                   label='{}, cache {}'.format(name, cache or 'off'))
     axis.set_xlabel('epoch')
     axis.set_ylabel('time to the first {} minibatches (s)'.format(
-        bench_local_capacity.FIRST_BATCHES))
+        bench.FIRST_BATCHES))
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
-    plot_figures.save_figure(figure, out, 'fig_next_epoch_cache.png', dpi=110)
+    save_figure(figure, out, 'fig_next_epoch_cache.png', dpi=110)
 
 
 def write_table(report, out):
@@ -124,8 +123,8 @@ def write_table(report, out):
         print(report['command'])
         print('{n_images} images ({dataset_bytes} bytes), batch {batch_size}, '
               'preset {preset}'.format(**report))
-        bench_local_capacity.print_capacity_table(report['runs'])
-        bench_local_capacity.print_cache_table(report['runs'])
+        bench.print_capacity_table(report['runs'])
+        bench.print_cache_table(report['runs'])
     with open(os.path.join(out, 'table.txt'), 'w') as table:
         table.write(text.getvalue())
 

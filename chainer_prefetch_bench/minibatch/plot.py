@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Figures 4-6 and Table 2 of the source paper, from bench_minibatch.py's JSON.
+"""Figures 4-6 and Table 2 of the source paper, from the minibatch benchmark's JSON.
 
 Usage::
 
-    python scripts/plot_figures.py results/bench_minibatch.json --out results/
+    python -m chainer_prefetch_bench.minibatch.plot results/minibatch/sweep.json \\
+        --out results/minibatch
 
 Writes ``fig4_time_vs_processes.png``, ``fig5_cumulative.png``,
 ``fig6_copy_threads.png`` (when the JSON has a copy-thread sweep) and
@@ -21,7 +22,9 @@ import sys
 import matplotlib
 
 matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # NOQA: E402
+import matplotlib.pyplot as plt  # noqa: E402
+
+from chainer_prefetch_bench.testbed.report import save_figure  # noqa: E402
 
 #: Table 2 of the paper (2 minibatch processes): first minibatch s, total s.
 PAPER_TABLE2 = {'baseline-local': (4.38, 59.49),
@@ -93,13 +96,6 @@ def figure4(report, out):
     return save_figure(fig, out, 'fig4_time_vs_processes.png')
 
 
-def save_figure(fig, out, name, dpi=120):
-    """Lays out, writes ``out/name`` and closes ``fig``; returns the path."""
-    path = os.path.join(out, name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
-    return path
 
 
 def figure5(report, out, n_processes=2):
@@ -179,7 +175,7 @@ def table2(report, n_processes=2):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('json', help='output of bench_minibatch.py')
+    parser.add_argument('json', help='output of chainer_prefetch_bench.minibatch.bench')
     parser.add_argument('--out', default='results',
                         help='folder for the PNG files and table2.txt')
     args = parser.parse_args(argv)

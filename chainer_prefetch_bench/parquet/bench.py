@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Parquet loaders side by side: rows/s, peak memory, coverage, shuffle quality.
 
-On one generated shopping-like dataset (scripts/make_parquet_dataset.py),
+On one generated shopping-like dataset (``testbed.parquet_dataset``),
 batch 100, for each number of loader workers:
 
 * ``ours-local``: ParquetDataset + RowGroupWindowOrderSampler +
   PrefetchMultiprocessIterator (row groups staged as Arrow IPC files into an
   empty local directory), Parquet files on local disk;
 * ``ours-shared``: the same, Parquet files read through the emulated shared
-  storage (scripts/shared_storage.py, FUSE);
+  storage (``testbed.storage``, FUSE);
 * ``ours-chainer``: ParquetDataset + the same sampler + Chainer's
   MultiprocessIterator (each worker reads Parquet itself, bounded cache);
 * ``petastorm``: Petastorm's ``make_batch_reader`` (thread pool,
@@ -33,13 +33,16 @@ Coverage (the blog's Tables 4 and 5) is measured by running the loaders on
 the ``id`` column for several epochs' worth of batches: the share of distinct
 rows seen after each epoch's worth, and the share of distinct ids per batch.
 
+Petastorm runs in its own virtual environment (``.venv-petastorm``, made on
+first use by ``petastorm_env``: it needs ``pyarrow<15``), in the same kind of
+child process as the other methods.
+
 Usage::
 
-    python scripts/bench_parquet.py                 # full run (see --help)
-    python scripts/bench_parquet.py --quick         # < 1 minute
+    python -m chainer_prefetch_bench.parquet.bench            # full run (see --help)
+    python -m chainer_prefetch_bench.parquet.bench --quick    # a few minutes
 """
 import argparse
-import contextlib
 import glob
 import json
 import math
@@ -48,22 +51,20 @@ import os
 import queue
 import shutil
 import signal
-import subprocess
 import sys
-import threading
 import time
 from typing import Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_minibatch  # NOQA: E402
-import make_parquet_dataset  # NOQA: E402
-import shared_storage  # NOQA: E402
+from chainer_prefetch_bench.parquet import petastorm_env
+from chainer_prefetch_bench.testbed import parquet_dataset, storage
+from chainer_prefetch_bench.testbed.machine import machine_description
+from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
+from chainer_prefetch_bench.testbed.processes import answer_child, exit_on_sigterm, run_in_child
+from chainer_prefetch_bench.testbed.report import write_json
 
 BATCH_SIZE = 100
 METHODS = ('ours-local', 'ours-shared', 'ours-chainer', 'petastorm',
            'petastorm-rows', 'blog')
-_MEMORY_POLL_SECONDS = 0.2
 
 
 # ---------------------------------------------------------------- the loaders
@@ -71,9 +72,9 @@ _MEMORY_POLL_SECONDS = 0.2
 def _open_ours(config: Dict, columns: List[str]):
     """Ours: an iterator yielding lists of example dicts."""
     import chainer
+
     from chainer_prefetch import PrefetchMultiprocessIterator
-    from chainer_prefetch.datasets import (ParquetDataset,
-                                           RowGroupWindowOrderSampler)
+    from chainer_prefetch.datasets import ParquetDataset, RowGroupWindowOrderSampler
     window = config['window']
     dataset = ParquetDataset(config['source'], columns=columns,
                              cache_row_groups=window,
@@ -211,18 +212,22 @@ def _batches(config: Dict, columns: List[str], staging: Dict):
 # ---------------------------------------------------------------- one run
 
 def run_one(config: Dict) -> Dict:
-    """Runs one configuration in this process; returns its measurements."""
+    """Runs one configuration in this process; returns its measurements.
+
+    Imports no part of ``chainer_prefetch`` unless an ``ours`` method runs
+    (the Petastorm environment has no Chainer): the row-group layout comes
+    in ``config['row_group_sizes']``.
+    """
     import numpy
-    from chainer_prefetch.datasets import ParquetDataset
     columns = config['columns']
-    layout = ParquetDataset(config['source'], columns=['id'])
-    row_group_of_id = numpy.repeat(numpy.arange(len(layout.row_group_sizes)),
-                                   layout.row_group_sizes)
+    sizes = numpy.asarray(config['row_group_sizes'], dtype=numpy.int64)
+    row_group_of_id = numpy.repeat(numpy.arange(len(sizes)), sizes)
+    n_rows = int(sizes.sum())
     started = time.perf_counter()
     first_batch_s = None
     rows = duplicates_in_batches = 0
     groups_per_batch = []
-    seen = numpy.zeros(len(layout), dtype=bool)
+    seen = numpy.zeros(n_rows, dtype=bool)
     coverage = []
     staging = {}  # what stage 2 did (ours)
     batches = _batches(config, columns, staging)
@@ -235,7 +240,7 @@ def run_one(config: Dict) -> Dict:
             duplicates_in_batches += len(ids) - len(numpy.unique(ids))
             groups_per_batch.append(len(numpy.unique(row_group_of_id[ids])))
             seen[ids] = True
-            if config.get('epochs') and rows >= (len(coverage) + 1) * len(layout):
+            if config.get('epochs') and rows >= (len(coverage) + 1) * n_rows:
                 coverage.append(float(seen.mean()))
                 if len(coverage) == config['epochs']:
                     break
@@ -256,59 +261,6 @@ def run_one(config: Dict) -> Dict:
             'coverage_per_epoch': coverage}
 
 
-def _tree_memory(pid: int) -> Dict[str, int]:
-    """Sum of RSS and PSS (bytes) of ``pid`` and its descendants."""
-    import psutil
-    rss = pss = 0
-    try:
-        root = psutil.Process(pid)
-        processes = [root] + root.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return {'rss': 0, 'pss': 0}
-    for process in processes:
-        with contextlib.suppress(OSError, psutil.Error):
-            with open('/proc/{}/smaps_rollup'.format(process.pid)) as rollup:
-                for line in rollup:
-                    if line.startswith('Rss:'):
-                        rss += int(line.split()[1]) * 1024
-                    elif line.startswith('Pss:'):
-                        pss += int(line.split()[1]) * 1024
-    return {'rss': rss, 'pss': pss}
-
-
-def run_in_child(config: Dict, timeout: float) -> Dict:
-    """Runs ``run_one`` in a fresh process, sampling its memory; returns the result."""
-    child = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), '_run', json.dumps(config)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
-    peak = {'rss': 0, 'pss': 0}
-    done = threading.Event()
-
-    def sample():
-        while not done.wait(_MEMORY_POLL_SECONDS):
-            memory = _tree_memory(child.pid)
-            for key in peak:
-                peak[key] = max(peak[key], memory[key])
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        stdout, stderr = child.communicate(timeout=timeout)
-    except BaseException:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
-        raise
-    finally:
-        done.set()
-        sampler.join()
-    if child.returncode != 0:
-        raise RuntimeError('run {} failed:\n{}'.format(config['method'],
-                                                        stderr[-3000:]))
-    result = json.loads(stdout.strip().splitlines()[-1])
-    result['peak_rss_mb'] = round(peak['rss'] / 1e6, 1)
-    result['peak_pss_mb'] = round(peak['pss'] / 1e6, 1)
-    return result
 
 
 # ---------------------------------------------------------------- backends
@@ -323,7 +275,7 @@ def compare_backends(files: List[str], repeats: int = 3) -> List[Dict]:
     import pyarrow
     import pyarrow.parquet
     column_sets = {'title (string)': ['title'],
-                   'all columns': make_parquet_dataset.SCHEMA.names}
+                   'all columns': parquet_dataset.SCHEMA.names}
 
     def pyarrow_read(columns, to_pandas):
         for path in files:
@@ -464,8 +416,10 @@ def parse_args(argv):
                         help='files of the coverage dataset (the blog had '
                         '2,000: the share of rows seen moves file by file)')
     parser.add_argument('--preset', default='paper',
-                        choices=sorted(shared_storage.PRESETS))
+                        choices=sorted(storage.PRESETS))
     parser.add_argument('--run-timeout', type=float, default=900)
+    parser.add_argument('--petastorm-venv', default=petastorm_env.DEFAULT_DIR,
+                        help="Petastorm's own environment (made on first use)")
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.files, args.row_group_mb = 8000, 4, 4.0
@@ -479,8 +433,16 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if answer_child(argv, run_one):
+        # Petastorm leaves threads behind that sometimes abort the
+        # interpreter's teardown ("terminate called without an active
+        # exception"); the result is out, so skip the teardown.
+        os._exit(0)
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    exit_on_sigterm()
+    petastorm_python = None
+    if any(method.startswith('petastorm') for method in args.methods):
+        petastorm_python = petastorm_env.ensure(args.petastorm_venv)
     dataset_dir = _generated(args.workdir, args.rows, args.files,
                              args.row_group_mb, args.image_size)
     summary = _dataset_summary(dataset_dir)
@@ -495,10 +457,11 @@ def main(argv=None) -> int:
     os.makedirs(mountpoint, exist_ok=True)
     # Petastorm's make_batch_reader cannot return variable-length lists
     # ('tokens'): every method reads the other six columns.
-    columns = [name for name in make_parquet_dataset.SCHEMA.names
+    columns = [name for name in parquet_dataset.SCHEMA.names
                if name != 'tokens']
     runs, coverage_runs = [], []
-    with shared_storage.mounted(dataset_dir, mountpoint, preset=args.preset):
+    sizes = _row_group_sizes(dataset_dir)
+    with storage.mounted(dataset_dir, mountpoint, preset=args.preset):
         for workers in args.workers:
             for method in args.methods:
                 config = {'method': method, 'workers': workers,
@@ -506,9 +469,10 @@ def main(argv=None) -> int:
                           else dataset_dir, 'columns': columns,
                           'batches': args.batches, 'window': args.window,
                           'num_cached_parquet': args.num_cached_parquet,
-                          'local_dir': local_dir, 'seed': 0}
+                          'local_dir': local_dir, 'seed': 0,
+                          'row_group_sizes': sizes}
                 result = _measure(config, dataset_dir, local_dir,
-                                  args.run_timeout)
+                                  args.run_timeout, petastorm_python)
                 runs.append(result)
                 print('{method:<14} workers {workers}: {rows_per_s:8.0f} rows/s, '
                       'peak PSS {peak_pss_mb:6.0f} MB, RSS {peak_rss_mb:6.0f} MB'
@@ -523,18 +487,20 @@ def main(argv=None) -> int:
                   'columns': ['id'], 'epochs': args.coverage_epochs,
                   'window': args.window, 'seed': 1,
                   'num_cached_parquet': args.num_cached_parquet,
-                  'local_dir': local_dir}
+                  'local_dir': local_dir,
+                  'row_group_sizes': _row_group_sizes(coverage_dir)}
         result = _measure(config, coverage_dir, local_dir, args.run_timeout)
         coverage_runs.append(result)
         print('coverage {method}: {coverage_per_epoch}'.format(**result),
               flush=True)
-    report = {'command': 'python scripts/bench_parquet.py ' + ' '.join(argv),
-              'machine': bench_minibatch.machine_description(),
+    report = {'command': 'python -m {} {}'.format(__spec__.name, ' '.join(argv)),
+              'machine': machine_description(),
               'dataset_summary': summary, 'preset': args.preset,
               'coverage_dataset_summary': coverage_summary,
               'window': args.window, 'batch_size': BATCH_SIZE,
               'backends': backends, 'runs': runs,
-              'coverage_runs': coverage_runs, 'versions': _versions()}
+              'coverage_runs': coverage_runs,
+              'versions': _versions(petastorm_python)}
     _write_report(report, args.out)
     return 0
 
@@ -546,17 +512,27 @@ def _generated(workdir: str, rows: int, files: int, row_group_mb: float,
         rows, files, row_group_mb, image_size))
     if not os.path.exists(os.path.join(directory, '_dataset.json')):
         print('generating a dataset into', directory, flush=True)
-        make_parquet_dataset.main([directory, '--rows', str(rows), '--files',
+        parquet_dataset.main([directory, '--rows', str(rows), '--files',
                                    str(files), '--row-group-mb',
                                    str(row_group_mb), '--image-size',
                                    str(image_size)])
     return directory
 
 
-def _measure(config, dataset_dir, local_dir, timeout):
+def _measure(config, dataset_dir, local_dir, timeout, petastorm_python=None):
     shutil.rmtree(local_dir, ignore_errors=True)
-    shared_storage.drop_page_cache(dataset_dir)
-    return run_in_child(config, timeout)
+    drop_page_cache(dataset_dir)
+    python = (petastorm_python if config['method'].startswith('petastorm')
+              else None)
+    return run_in_child(__spec__.name, config, timeout, python=python,
+                        sample_memory=True)
+
+
+def _row_group_sizes(dataset_dir: str) -> List[int]:
+    """Rows of each row group, in the order ParquetDataset numbers rows."""
+    from chainer_prefetch.datasets import ParquetDataset
+    return [int(size) for size in
+            ParquetDataset(dataset_dir, columns=['id']).row_group_sizes]
 
 
 def _dataset_summary(dataset_dir: str) -> Dict:
@@ -572,10 +548,13 @@ def _dataset_summary(dataset_dir: str) -> Dict:
             'image_size': generated['image_size']}
 
 
-def _versions() -> Dict[str, str]:
+def _versions(petastorm_python) -> Dict[str, str]:
     import importlib.metadata
-    return {name: importlib.metadata.version(name) for name in (
-        'pyarrow', 'fastparquet', 'petastorm', 'numpy', 'pandas', 'chainer')}
+    versions = {name: importlib.metadata.version(name) for name in (
+        'pyarrow', 'fastparquet', 'numpy', 'pandas', 'chainer')}
+    if petastorm_python:
+        versions['petastorm_env'] = petastorm_env.versions(petastorm_python)
+    return versions
 
 
 def _write_report(report: Dict, out: str) -> None:
@@ -588,19 +567,11 @@ def _write_report(report: Dict, out: str) -> None:
     text = '\n\n'.join([report['command'], table, coverage,
                         'Reading every row group of two files:\n' + backends])
     print('\n' + text)
-    with open(os.path.join(out, 'bench.json'), 'w') as f:
-        json.dump(report, f, indent=1)
+    write_json(os.path.join(out, 'bench.json'), report)
     with open(os.path.join(out, 'table.txt'), 'w') as f:
         f.write(text + '\n')
     plot(report, os.path.join(out, 'throughput_memory.png'))
 
 
 if __name__ == '__main__':
-    if sys.argv[1:2] == ['_run']:  # one measurement, in a child process
-        print(json.dumps(run_one(json.loads(sys.argv[2]))), flush=True)
-        # Petastorm leaves threads behind that sometimes abort the
-        # interpreter's teardown ("terminate called without an active
-        # exception"); the result is out, so skip the teardown.
-        os._exit(0)
-    else:
-        sys.exit(main())
+    sys.exit(main())

@@ -9,7 +9,7 @@ so memory stays bounded.
 
 Example (about 2.4 GB)::
 
-    python scripts/make_parquet_dataset.py /data/shopping --rows 300000 \\
+    python -m chainer_prefetch_bench.testbed.parquet_dataset /data/shopping --rows 300000 \\
         --files 16 --row-group-mb 120
 
 The default row group is just under 128 MB, one HDFS block, as Parquet

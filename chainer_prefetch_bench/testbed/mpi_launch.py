@@ -1,8 +1,9 @@
 """Starting examples/imagenet under ``mpiexec`` on one machine.
 
-Used by the experiment script and the tests, so that both start the example
-the same way: the virtual environment's ``mpiexec``, the repository on
-``PYTHONPATH``, and Open MPI's permission to run as root (containers, CI).
+Used by the experiments and the tests, so that all start the example the
+same way: the virtual environment's ``mpiexec`` and Open MPI's permission to
+run as root (containers, CI).  The example is a script of the source tree
+(``examples/imagenet``), not part of the installed packages.
 """
 import os
 import shutil
@@ -11,7 +12,8 @@ import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 TRAIN_SCRIPT = os.path.join(REPO, 'examples', 'imagenet', 'train_imagenet.py')
 
 
@@ -37,8 +39,6 @@ def environment(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
         base: Environment to extend.
     """
     env = dict(os.environ if base is None else base)
-    env['PYTHONPATH'] = os.pathsep.join(
-        [REPO] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
     env['PATH'] = os.pathsep.join([os.path.dirname(sys.executable),
                                    env.get('PATH', '')])
     if hasattr(os, 'geteuid') and os.geteuid() == 0:

@@ -2,8 +2,8 @@
 """The 1,000-minibatch benchmark (sec. 4.1 of the source paper), side by side.
 
 Times how long each loader takes to deliver N minibatches of 32 images from
-an ImageNet-like JPEG dataset (scripts/make_dataset.py) that sits on emulated
-shared storage (scripts/shared_storage.py, a real FUSE mount):
+an ImageNet-like JPEG dataset (``testbed.jpeg_dataset``) that sits on emulated
+shared storage (``testbed.storage``, a real FUSE mount):
 
 ``baseline-local``   Chainer's MultiprocessIterator reading the local copy
                      (the paper's baseline+SSD: the ideal case).
@@ -24,39 +24,37 @@ the same way for all) with the same shuffled order of examples.  Before
 each run the local directory is emptied and the page cache of every
 dataset file (sources and local copies) is dropped with
 ``posix_fadvise(POSIX_FADV_DONTNEED)``; the mount itself never keeps file
-data between opens (see shared_storage.py).  Runs are interleaved across
+data between opens (see ``testbed.storage``).  Runs are interleaved across
 repetitions so that machine noise spreads over all methods.
 
 Usage::
 
-    python scripts/bench_minibatch.py --quick          # the README demo
-    python scripts/bench_minibatch.py --batches 1000 --processes 2,4,8,16 \\
+    python -m chainer_prefetch_bench.minibatch.bench --quick   # the README demo
+    python -m chainer_prefetch_bench.minibatch.bench --batches 1000 \\
+        --processes 2,4,8,16 \\
         --copy-thread-sweep 2,4,8,12,16 --repeats 3 --out results/bench.json
 
 Output: a JSON file with ``runs`` (method, n_processes, n_copy_threads,
 n_batches, total_s, first_batch_s, cumulative_s, cpu_s, peak RSS, process
 count), the storage ``calibration``, the machine and the command; and a
-comparison table on stdout.  ``scripts/plot_figures.py`` draws the figures.
+comparison table on stdout.  ``chainer_prefetch_bench.minibatch.plot`` draws the
+figures.
 """
 import argparse
-import contextlib
-import json
 import os
-import platform
 import resource
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, SCRIPTS)
-
-import make_dataset  # NOQA: E402
-import shared_storage  # NOQA: E402
+from chainer_prefetch_bench.testbed import storage
+from chainer_prefetch_bench.testbed.jpeg_dataset import cached_dataset
+from chainer_prefetch_bench.testbed.machine import machine_description
+from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
+from chainer_prefetch_bench.testbed.processes import answer_child, exit_on_sigterm, run_in_child
+from chainer_prefetch_bench.testbed.report import write_json
 
 METHODS = ('baseline-local', 'baseline-remote', 'proposed-cold',
            'proposed-warm', 'prefetch-local', 'copy-then-local',
@@ -195,23 +193,6 @@ def fill_local_dir(config):
         list(pool.map(directory.stage, sources))
 
 
-def run_in_child(config, timeout, script=None):
-    """Runs one measurement in a fresh Python process; returns its result.
-
-    Args:
-        config: The run's settings (JSON-able), passed as ``_run CONFIG``.
-        timeout: Seconds before the child is killed.
-        script: The benchmark script whose ``_run`` entry runs it (this
-            one by default).
-    """
-    command = [sys.executable, os.path.abspath(script or __file__), '_run',
-               json.dumps(config)]
-    completed = subprocess.run(command, capture_output=True, text=True,
-                               timeout=timeout)
-    if completed.returncode != 0:
-        raise RuntimeError('run {} failed:\n{}'.format(
-            config.get('method', config), completed.stderr[-3000:]))
-    return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
 def torch_available():
@@ -239,20 +220,6 @@ def plan_runs(args):
     return configs
 
 
-def machine_description():
-    """What the numbers were measured on."""
-    with open('/proc/meminfo') as meminfo:
-        memory_kb = int(meminfo.readline().split()[1])
-    cpu = platform.processor()
-    with contextlib.suppress(OSError):
-        with open('/proc/cpuinfo') as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith('model name'):
-                    cpu = line.split(':', 1)[1].strip()
-                    break
-    return {'cpus': os.cpu_count(), 'cpu_model': cpu,
-            'memory_gib': round(memory_kb / 2**20, 1),
-            'python': platform.python_version(), 'kernel': platform.release()}
 
 
 def summarize(runs):
@@ -346,7 +313,7 @@ def parse_args(argv):
     parser.add_argument('--methods', default=','.join(METHODS))
     parser.add_argument('--repeats', type=int, default=1)
     parser.add_argument('--preset', default='paper',
-                        choices=sorted(shared_storage.PRESETS))
+                        choices=sorted(storage.PRESETS))
     parser.add_argument('--out', default='results/bench_minibatch.json')
     parser.add_argument('--run-timeout', type=float, default=1800)
     parser.add_argument('--quick', action='store_true',
@@ -374,47 +341,8 @@ def parse_args(argv):
     return args
 
 
-def prepare(workdir, n_images):
-    """Common start of the benchmarks: signals, FUSE check, the dataset.
-
-    A SIGTERM (e.g. a job's time limit) is turned into an exit, so the
-    emulated storage still gets unmounted.
-
-    Args:
-        workdir: Where the dataset is generated (once) and kept.
-        n_images: Training images of the dataset.
-
-    Returns:
-        The dataset's folder (with ``train.txt``), or ``None`` when FUSE is
-        not usable (the reason is printed).
-    """
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    problem = shared_storage.fuse_problem()
-    if problem:
-        print('FUSE is not usable here: ' + problem, file=sys.stderr)
-        return None
-    dataset_dir = os.path.join(workdir, 'dataset-{}'.format(n_images))
-    if not os.path.exists(os.path.join(dataset_dir, 'train.txt')):
-        print('generating {} images into {}'.format(n_images, dataset_dir))
-        make_dataset.generate(dataset_dir, n_images, n_classes=100, seed=0)
-    return dataset_dir
 
 
-def answer_child(argv, run) -> bool:
-    """The child side of :func:`run_in_child`.
-
-    Args:
-        argv: The script's arguments.
-        run: The function measuring one run: ``run(config) -> dict``.
-
-    Returns:
-        ``True`` if ``argv`` was ``_run CONFIG``: the run's result has been
-        printed as the last line of JSON.
-    """
-    if argv[:1] != ['_run']:
-        return False
-    print(json.dumps(run(json.loads(argv[1]))))
-    return True
 
 
 def main(argv=None):
@@ -422,18 +350,21 @@ def main(argv=None):
     if answer_child(argv, run_one):
         return 0
     args = parse_args(argv)
-    dataset_dir = prepare(args.workdir, args.n_images)
-    if dataset_dir is None:
+    exit_on_sigterm()
+    problem = storage.fuse_problem()
+    if problem:
+        print('FUSE is not usable here: ' + problem, file=sys.stderr)
         return 2
+    dataset_dir = cached_dataset(args.workdir, args.n_images)
     list_file = os.path.join(dataset_dir, 'train.txt')
     mountpoint = os.path.join(args.workdir, 'mnt')
     local_dir = os.path.join(args.workdir, 'local')
     copy_target = os.path.join(args.workdir, 'copy')
     os.makedirs(mountpoint, exist_ok=True)
     runs = []
-    with shared_storage.mounted(dataset_dir, mountpoint,
+    with storage.mounted(dataset_dir, mountpoint,
                                 preset=args.preset) as mount:
-        calibration = shared_storage.calibrate(mountpoint, readers=(1, 2, 8),
+        calibration = storage.calibrate(mountpoint, readers=(1, 2, 8),
                                                files=32)
         print('storage ({} preset): {}'.format(args.preset, ', '.join(
             '{readers} readers {files_per_s:.0f} files/s {mb_per_s:.1f} MB/s'
@@ -446,9 +377,9 @@ def main(argv=None):
                 shutil.rmtree(path, ignore_errors=True)
             if config['method'] == 'proposed-warm':
                 fill_local_dir(config)
-            shared_storage.drop_page_cache(dataset_dir, local_dir)
+            drop_page_cache(dataset_dir, local_dir)
             daemon_cpu_before = mount.cpu_seconds()
-            result = run_in_child(config, args.run_timeout)
+            result = run_in_child(__spec__.name, config, args.run_timeout)
             result['storage_daemon_cpu_s'] = (mount.cpu_seconds()
                                               - daemon_cpu_before)
             runs.append(result)
@@ -457,14 +388,12 @@ def main(argv=None):
                   'batch {first_batch_s:.3f} s'.format(**result), flush=True)
     for path in (local_dir, copy_target):
         shutil.rmtree(path, ignore_errors=True)
-    report = {'command': 'python scripts/bench_minibatch.py ' + ' '.join(argv),
+    report = {'command': 'python -m {} {}'.format(__spec__.name, ' '.join(argv)),
               'machine': machine_description(), 'preset': args.preset,
-              'storage_params': shared_storage.PRESETS[args.preset],
+              'storage_params': storage.PRESETS[args.preset],
               'calibration': calibration, 'batch_size': BATCH_SIZE,
               'n_images': args.n_images, 'runs': runs}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, 'w') as out:
-        json.dump(report, out, indent=1)
+    write_json(args.out, report)
     print_table(summarize(runs), args.copy_threads)
     print('\nwrote ' + args.out)
     return 0

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Figures 7-11, Table 4 and Tables A.1-A.3 from run_training_experiments.py.
+"""Figures 7-11, Table 4 and Tables A.1-A.3 of the training experiment (``training.run``).
 
 Usage::
 
-    python scripts/plot_training.py results/training/raw.json \\
+    python -m chainer_prefetch_bench.training.plot results/training/raw.json \\
         --out results/training
 
 Writes into ``--out``:
@@ -36,10 +36,9 @@ import sys
 import matplotlib
 
 matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # NOQA: E402
+import matplotlib.pyplot as plt  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import plot_figures  # NOQA: E402
+from chainer_prefetch_bench.testbed.report import save_figure  # noqa: E402
 
 METHODS = ('baseline-local', 'baseline-remote', 'proposed')
 PAPER_NAMES = {'baseline-local': 'baseline+SSD',
@@ -201,7 +200,7 @@ def figure7(data, runs, out):
     _grouped_bars(ax, runs)
     ax.set_title('Fig. 7: {} epochs, total time per process count'.format(
         data['config']['epochs']))
-    return plot_figures.save_figure(fig, out, 'fig7_total_time.png')
+    return save_figure(fig, out, 'fig7_total_time.png')
 
 
 def figure8(data, runs, out):
@@ -210,7 +209,7 @@ def figure8(data, runs, out):
     _grouped_bars(ax, runs, copy_seconds=copy.get('seconds'),
                   copy_ways=copy.get('ways', 8))
     ax.set_title('Fig. 8: total time, copy time added to baseline-local')
-    return plot_figures.save_figure(fig, out, 'fig8_total_with_copy.png')
+    return save_figure(fig, out, 'fig8_total_with_copy.png')
 
 
 def figures9_11(data, runs, out):

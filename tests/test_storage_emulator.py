@@ -1,4 +1,4 @@
-"""Tests of scripts/shared_storage.py: a real FUSE mount, no mocks."""
+"""Tests of the storage emulator (testbed.storage): a real FUSE mount, no mocks."""
 import errno
 import os
 import signal
@@ -8,12 +8,9 @@ import time
 
 import pytest
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))), 'scripts')
-sys.path.insert(0, SCRIPTS)
-
-import make_dataset  # noqa: E402
-import shared_storage  # noqa: E402
+from chainer_prefetch_bench.testbed import jpeg_dataset
+from chainer_prefetch_bench.testbed import storage as shared_storage
+from chainer_prefetch_bench.testbed.storage import daemon, mount
 
 needs_fuse = pytest.mark.skipif(
     not os.path.exists('/dev/fuse'),
@@ -24,14 +21,14 @@ needs_fuse = pytest.mark.skipif(
 @pytest.fixture(scope='module')
 def source(tmp_path_factory):
     root = str(tmp_path_factory.mktemp('source'))
-    make_dataset.generate(root, n_images=20, n_classes=2, seed=3,
+    jpeg_dataset.generate(root, n_images=20, n_classes=2, seed=3,
                           progress=False, workers=1)
     return root
 
 
 @pytest.fixture
 def mountpoint(tmp_path, monkeypatch):
-    monkeypatch.setattr(shared_storage, 'STATE_DIR', str(tmp_path / 'state'))
+    monkeypatch.setattr(mount, 'STATE_DIR', str(tmp_path / 'state'))
     path = str(tmp_path / 'mnt')
     yield path
     shared_storage.stop(path)  # whatever the test did
@@ -49,7 +46,7 @@ def _read(path):
 
 
 def test_token_bucket_limits_rate():
-    bucket = shared_storage.TokenBucket(rate=1e6, burst=1e5)
+    bucket = daemon.TokenBucket(rate=1e6, burst=1e5)
     t0 = time.monotonic()
     for _ in range(5):
         bucket.consume(100000)  # 0.5 MB in total, 0.1 MB of it burst
@@ -120,7 +117,7 @@ def test_bandwidth_cap(source, mountpoint):
         total = sum(len(_read(os.path.join(mountpoint, rel)))
                     for rel in _images(source)[:8])
         elapsed = time.perf_counter() - t0
-    expected = (total - shared_storage.BURST_BYTES) / (rate * 1e6)
+    expected = (total - daemon.BURST_BYTES) / (rate * 1e6)
     assert expected > 0.1
     assert 0.8 * expected < elapsed < 2.5 * expected + 0.2
 
@@ -130,7 +127,7 @@ def test_stale_mount_is_cleaned_by_next_start(source, mountpoint):
     first = shared_storage.start(source, mountpoint, shared_storage.Params())
     os.kill(first.pid, signal.SIGKILL)
     deadline = time.monotonic() + 5
-    while shared_storage._daemon_alive(first.pid, mountpoint):
+    while mount._daemon_alive(first.pid, mountpoint):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert shared_storage.is_mounted(mountpoint)
@@ -156,10 +153,10 @@ def test_start_refuses_a_live_mount(source, mountpoint):
 def test_command_line(source, tmp_path):
     env = dict(os.environ, SHARED_STORAGE_STATE_DIR=str(tmp_path / 'state'))
     mnt = str(tmp_path / 'cli_mnt')
-    script = os.path.join(SCRIPTS, 'shared_storage.py')
-
     def run(*args):
-        return subprocess.run([sys.executable, script] + list(args), env=env,
+        return subprocess.run([sys.executable, '-m',
+                               'chainer_prefetch_bench.testbed.storage']
+                              + list(args), env=env,
                               capture_output=True, text=True, timeout=60)
 
     try:

@@ -1,4 +1,4 @@
-"""Tests of scripts/make_dataset.py on a tiny generated dataset."""
+"""Tests of the JPEG dataset generator (testbed.jpeg_dataset) on a tiny dataset."""
 import os
 import subprocess
 import sys
@@ -8,11 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))), 'scripts')
-sys.path.insert(0, SCRIPTS)
-
-import make_dataset  # noqa: E402
+from chainer_prefetch_bench.testbed import jpeg_dataset as make_dataset
 
 
 def _files(root):
@@ -110,7 +106,7 @@ def test_mean_npy(dataset):
 def test_command_line(tmp_path):
     out = tmp_path / 'cli'
     result = subprocess.run(
-        [sys.executable, os.path.join(SCRIPTS, 'make_dataset.py'), str(out),
+        [sys.executable, '-m', 'chainer_prefetch_bench.testbed.jpeg_dataset', str(out),
          '--n-images', '6', '--n-classes', '2', '--seed', '1',
          '--mean-size', '50000'],
         capture_output=True, text=True, timeout=60, check=True)
