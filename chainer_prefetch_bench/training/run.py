@@ -241,7 +241,7 @@ def training_command(args, method, procs, data_dir, mount_dir, local_dir,
            '--val_batchsize', str(args.val_batchsize),
            '--epoch', str(args.epochs), '--loaderjob', str(args.loaderjob),
            '--iterator', iterator, '--start-method', args.start_method,
-           '--out', run_out])
+           '--time-breakdown', '--out', run_out])
     if method == 'proposed':
         cmd += ['--local-dir', local_dir,
                 '--copy-threads', str(args.copy_threads)]
