@@ -106,9 +106,8 @@ def load(directory, name):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--results', default=os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        'results', 'fault'))
+    parser.add_argument('--results', default=os.path.join('results', 'fault'),
+                        help='folder of the JSON files; the figures go there')
     args = parser.parse_args(argv)
     out = args.results
     recovery = load(out, 'recovery.json')

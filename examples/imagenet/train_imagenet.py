@@ -232,6 +232,9 @@ def parse_args(argv=None):
                         default='forkserver',
                         help='multiprocessing start method (see the module '
                              'docstring)')
+    parser.add_argument('--maxtasksperchild', type=int, default=None,
+                        help='replace a loader process after this many '
+                             'tasks (both iterators; default: never)')
     parser.add_argument('--time-breakdown', action='store_true',
                         help='time load/forward/backward/allreduce/other of '
                              'every iteration (synchronises the GPU at each '
@@ -340,7 +343,8 @@ def set_loaderjob(args, comm, collective=True):
 
 
 def make_iterator(args, dataset, batch_size, train):
-    kwargs = dict(repeat=train, shuffle=train, n_processes=args.loaderjob)
+    kwargs = dict(repeat=train, shuffle=train, n_processes=args.loaderjob,
+                  maxtasksperchild=args.maxtasksperchild)
     if args.iterator == 'multiprocess':
         return chainer.iterators.MultiprocessIterator(
             dataset, batch_size, **kwargs)
