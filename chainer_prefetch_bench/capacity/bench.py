@@ -38,10 +38,10 @@ import sys
 import time
 
 from chainer_prefetch_bench.testbed import storage
-from chainer_prefetch_bench.testbed.jpeg_dataset import cached_dataset
 from chainer_prefetch_bench.testbed.machine import machine_description
 from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
-from chainer_prefetch_bench.testbed.processes import answer_child, exit_on_sigterm, run_in_child
+from chainer_prefetch_bench.testbed.prepare import prepare_jpeg_benchmark
+from chainer_prefetch_bench.testbed.processes import answer_child, run_in_child
 from chainer_prefetch_bench.testbed.report import write_json
 
 POLICIES = ('belady', 'lru', 'fill_once')
@@ -244,12 +244,9 @@ def main(argv=None):
     if answer_child(argv, run_one):
         return 0
     args = parse_args(argv)
-    exit_on_sigterm()
-    problem = storage.fuse_problem()
-    if problem:
-        print('FUSE is not usable here: ' + problem, file=sys.stderr)
+    dataset_dir = prepare_jpeg_benchmark(args.workdir, args.n_images)
+    if dataset_dir is None:
         return 2
-    dataset_dir = cached_dataset(args.workdir, args.n_images)
     list_file = os.path.join(dataset_dir, 'train.txt')
     with open(list_file) as lines:
         names = [line.split()[0] for line in lines if line.strip()]

@@ -50,10 +50,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from chainer_prefetch_bench.testbed import storage
-from chainer_prefetch_bench.testbed.jpeg_dataset import cached_dataset
 from chainer_prefetch_bench.testbed.machine import machine_description
 from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
-from chainer_prefetch_bench.testbed.processes import answer_child, exit_on_sigterm, run_in_child
+from chainer_prefetch_bench.testbed.prepare import prepare_jpeg_benchmark
+from chainer_prefetch_bench.testbed.processes import answer_child, run_in_child
 from chainer_prefetch_bench.testbed.report import write_json
 
 METHODS = ('baseline-local', 'baseline-remote', 'proposed-cold',
@@ -193,8 +193,6 @@ def fill_local_dir(config):
         list(pool.map(directory.stage, sources))
 
 
-
-
 def torch_available():
     try:
         import torch  # NOQA: F401
@@ -218,8 +216,6 @@ def plan_runs(args):
             configs.append({'method': 'proposed-cold', 'n_processes': 2,
                             'n_copy_threads': n_threads, 'repeat': repeat})
     return configs
-
-
 
 
 def summarize(runs):
@@ -341,21 +337,14 @@ def parse_args(argv):
     return args
 
 
-
-
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if answer_child(argv, run_one):
         return 0
     args = parse_args(argv)
-    exit_on_sigterm()
-    problem = storage.fuse_problem()
-    if problem:
-        print('FUSE is not usable here: ' + problem, file=sys.stderr)
+    dataset_dir = prepare_jpeg_benchmark(args.workdir, args.n_images)
+    if dataset_dir is None:
         return 2
-    dataset_dir = cached_dataset(args.workdir, args.n_images)
     list_file = os.path.join(dataset_dir, 'train.txt')
     mountpoint = os.path.join(args.workdir, 'mnt')
     local_dir = os.path.join(args.workdir, 'local')

@@ -5,6 +5,7 @@ same way: the virtual environment's ``mpiexec`` and Open MPI's permission to
 run as root (containers, CI).  The example is a script of the source tree
 (``examples/imagenet``), not part of the installed packages.
 """
+import contextlib
 import os
 import shutil
 import signal
@@ -80,6 +81,23 @@ def run(command: Sequence[str], timeout: float, cwd: Optional[str] = None,
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        os.killpg(process.pid, signal.SIGKILL)
+        _stop_group(process)
         output, _ = process.communicate()
+    except BaseException:  # Ctrl-C, SIGTERM: the job goes with this process
+        _stop_group(process)
+        process.communicate()
+        raise
     return process.returncode, output.decode(errors='replace'), timed_out
+
+
+def _stop_group(process: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM the launcher's group (mpiexec forwards it to the ranks, which
+    run outside the group), then SIGKILL what is left after ``grace``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
