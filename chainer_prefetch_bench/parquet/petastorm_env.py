@@ -25,7 +25,8 @@ PETASTORM = 'petastorm==0.13.1'
 REQUIREMENTS = (
     'numpy<2', 'pyarrow==14.0.2', 'pandas==2.3.3', 'pillow',
     # What Petastorm's reader imports (it is installed with --no-deps):
-    'dill', 'diskcache', 'future', 'pyzmq', 'six', 'fsspec', 'packaging',
+    'dill', 'diskcache', 'future', 'psutil', 'pyzmq', 'six', 'fsspec',
+    'packaging',
 )
 """Everything else installed there (pyarrow<15: Petastorm 0.13.1 fails with 15+)."""
 
