@@ -4,7 +4,6 @@ import os
 import shutil
 
 import chainer
-import make_parquet_dataset
 import numpy as np
 import pyarrow
 import pyarrow.parquet
@@ -18,6 +17,7 @@ from chainer_prefetch.datasets import (
     ParquetSchemaError,
     RowGroupWindowOrderSampler,
 )
+from chainer_prefetch_bench.testbed import parquet_dataset as make_parquet_dataset
 
 ROWS, FILES, ROW_GROUP_ROWS = 90, 3, 10  # files of 30 rows: 10 + 10 + 10
 

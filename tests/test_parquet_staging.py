@@ -3,7 +3,6 @@ import multiprocessing
 import os
 import pickle
 
-import make_parquet_dataset
 import pyarrow
 import pyarrow.ipc
 import pyarrow.parquet
@@ -12,6 +11,7 @@ import pytest
 from chainer_prefetch import PrefetchMultiprocessIterator
 from chainer_prefetch.datasets import ParquetDataset, RowGroupFile, RowGroupWindowOrderSampler
 from chainer_prefetch.staging import LocalDirectory, SourceFileError
+from chainer_prefetch_bench.testbed import parquet_dataset as make_parquet_dataset
 
 ROWS, FILES, ROW_GROUP_ROWS = 120, 3, 10  # 12 row groups
 
