@@ -104,11 +104,11 @@ class FailingDataset:
 
 
 def run_mpi(command, cwd, timeout):
-    """Runs an MPI command line (see scripts/mpi_launch.py); returns its output.
+    """Runs an MPI command line (see testbed/mpi_launch.py); returns its output.
 
     Fails the test with the output's tail on a non-zero exit or a timeout.
     """
-    import mpi_launch  # scripts/ is importable in pytest (conftest.py) only
+    from chainer_prefetch_bench.testbed import mpi_launch
     returncode, output, timed_out = mpi_launch.run(command, timeout, cwd=cwd)
     assert not timed_out, 'timed out after {} s:\n{}'.format(
         timeout, output[-5000:])

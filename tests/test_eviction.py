@@ -2,9 +2,15 @@
 import numpy
 import pytest
 
-from chainer_prefetch.policy import (NEVER, STRATEGIES, FutureUses,
-                                     NextEpochCache, make_strategy, register,
-                                     simulate)
+from chainer_prefetch.policy import (
+    NEVER,
+    STRATEGIES,
+    FutureUses,
+    NextEpochCache,
+    make_strategy,
+    register,
+    simulate,
+)
 from chainer_prefetch.policy.eviction import EvictionStrategy, next_use
 
 UNIT = {item: 1 for item in 'abcde'}

@@ -15,16 +15,14 @@ import textwrap
 import time
 import warnings
 
+import chainer
 import numpy
 import pytest
-
-import chainer
 from chainer.dataset import DatasetMixin
 
+import helpers
 from chainer_prefetch import ExampleLoadError, PrefetchMultiprocessIterator
 from chainer_prefetch.staging import local_directory
-
-import helpers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -280,14 +278,13 @@ def test_exception_in_training_loop_inside_with_stops_everything(images, tmp_pat
                 assert len(batch) == 2
                 if number == 3:
                     _assert_was_running(snapshot)
-                    1 / 0
+                    raise ZeroDivisionError('an error in the training loop')
     del it
     snapshot.assert_clean()
 
 
 _SCRIPT = textwrap.dedent('''
     import os, sys, time
-    sys.path.insert(0, {tests_dir!r})
     import chainer
     import helpers
     from chainer_prefetch import PrefetchMultiprocessIterator
@@ -311,9 +308,10 @@ _SCRIPT = textwrap.dedent('''
 
 def _run_script(images, tmp_path):
     list_file, root, _ = images
-    script = _SCRIPT.format(tests_dir=TESTS_DIR, list_file=list_file, root=root,
+    script = _SCRIPT.format(list_file=list_file, root=root,
                             local_dir=str(tmp_path / 'local'))
-    process = subprocess.Popen([sys.executable, '-c', script],
+    # `python -c` imports from its working directory: helpers from tests/.
+    process = subprocess.Popen([sys.executable, '-c', script], cwd=TESTS_DIR,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                start_new_session=True, text=True)
     workers = segments = None

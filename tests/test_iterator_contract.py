@@ -25,15 +25,12 @@ import threading
 import time
 import warnings
 
+import chainer
 import numpy
 import pytest
-
-import chainer
-from chainer import iterators
-from chainer import serializers
+from chainer import iterators, serializers
 
 import helpers
-
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,12 +17,13 @@ import time
 
 import pytest
 
-from chainer_prefetch.staging import local_directory, sources
-from chainer_prefetch.staging.local_directory import (LocalDirectory,
-                                                       LocalStorageError,
-                                                       SourceFileError)
-
 import helpers
+from chainer_prefetch.staging import local_directory, sources
+from chainer_prefetch.staging.local_directory import (
+    LocalDirectory,
+    LocalStorageError,
+    SourceFileError,
+)
 
 MB = 1 << 20
 FORK = multiprocessing.get_context('fork')

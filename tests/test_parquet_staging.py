@@ -8,12 +8,10 @@ import pyarrow.ipc
 import pyarrow.parquet
 import pytest
 
-import make_parquet_dataset
 from chainer_prefetch import PrefetchMultiprocessIterator
-from chainer_prefetch.datasets import (ParquetDataset, RowGroupFile,
-                                       RowGroupWindowOrderSampler)
-from chainer_prefetch.staging import (LocalDirectory, SourceFileError,
-                                      resolve_dataset_files)
+from chainer_prefetch.datasets import ParquetDataset, RowGroupFile, RowGroupWindowOrderSampler
+from chainer_prefetch.staging import LocalDirectory, SourceFileError, resolve_dataset_files
+from chainer_prefetch_bench.testbed import parquet_dataset as make_parquet_dataset
 
 ROWS, FILES, ROW_GROUP_ROWS = 120, 3, 10  # 12 row groups
 

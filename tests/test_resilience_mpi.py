@@ -12,9 +12,8 @@ import time
 import pytest
 
 import helpers
-import mpi_launch
-
 from chainer_prefetch.resilience.injection import read_events
+from chainer_prefetch_bench.testbed import mpi_launch
 from test_resilience_policy import processes_with
 
 pytestmark = pytest.mark.slow
@@ -255,7 +254,7 @@ def test_rank_exiting_without_finalize_ends_the_job_within_its_bound(tmp_path):
         tmp_path, 3, 'respawn', *_failure('exit', 1, 3))
     assert returncode != 0
     assert 'made no progress for' in output and '(limit 20.0 s)' in output
-    failure = _of(events, 'failure')[0]
+    assert _of(events, 'failure'), events
     assert _of(events, 'finished') == []
     # --call-timeout 20: the job ends soon after it.
     assert elapsed < 20 + 30

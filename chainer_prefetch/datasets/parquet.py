@@ -37,8 +37,7 @@ import errno
 import glob
 import hashlib
 import os
-from typing import (Any, Callable, Dict, Iterable, List, Optional, Sequence,
-                    Tuple, Union)
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy
 import pyarrow
@@ -46,8 +45,7 @@ import pyarrow.ipc
 import pyarrow.parquet
 from chainer.dataset import DatasetMixin
 
-from chainer_prefetch.errors import (ParquetColumnError, ParquetFileError,
-                                     ParquetSchemaError)
+from chainer_prefetch.errors import ParquetColumnError, ParquetFileError, ParquetSchemaError
 from chainer_prefetch.staging.sources import DerivedFile
 
 Paths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]

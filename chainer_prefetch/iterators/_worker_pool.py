@@ -33,7 +33,6 @@ takes at most the deadline given.  Workers also exit by themselves when the
 owner process dies.
 """
 import collections
-import itertools
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver

@@ -60,8 +60,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy
 from chainer.dataset import DatasetMixin
-from chainer.datasets import (ConcatenatedDataset, DictDataset, ImageDataset,
-                              LabeledImageDataset, SubDataset, TupleDataset)
+from chainer.datasets import (
+    ConcatenatedDataset,
+    DictDataset,
+    ImageDataset,
+    LabeledImageDataset,
+    SubDataset,
+    TupleDataset,
+)
 
 Locate = Callable[[str], str]
 

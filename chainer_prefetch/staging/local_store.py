@@ -26,7 +26,6 @@ rest of the run (:attr:`disabled` says why) and every item is read from
 shared storage, never from a partial file.
 """
 import dataclasses
-import os
 import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
