@@ -568,7 +568,11 @@ class Scheduler:
             self._generate()
             self._cancel_head_copies()
             self._dispatch()
-            if not self._deliver():
+            delivered = self._deliver()
+            if delivered != 'more':
+                # Stop after a delivery that expects an answer (cache offers,
+                # the measured size): it is fed back before the next event,
+                # so the next batches are dispatched with it.
                 self._send_holds()
                 return
 
@@ -765,33 +769,41 @@ class Scheduler:
         self._emit_used(batch, position)
         return True
 
-    def _deliver(self) -> bool:
-        """Delivers the head if it is complete and the mailbox has room."""
+    def _deliver(self) -> str:
+        """Delivers the head if it is complete and the mailbox has room.
+
+        Returns:
+            ``'more'`` after a delivery, ``'answer'`` after one that expects
+            an answer, ``''`` when nothing could be delivered.
+        """
         if not self._in_flight or (
                 self.delivered - self.taken >= self.config.n_prefetch):
-            return False
+            return ''
         head = self._in_flight[0]
+        outcome = 'more'
         if isinstance(head, _Marker):
             self._emit(Deliver(head.kind, self._generation, state=head.state,
                                error=head.error))
         elif not head.complete:
-            return False
+            return ''
         elif head.error is not None:
             self._emit(Deliver('failure', self._generation, error=head.error))
             self._discard(head)
         else:
-            self._emit(Deliver(
-                'batch', self._generation, state=head.state,
-                examples=head.results, buffer=head.buffer,
-                cache_wants=self._cache_wants(head),
-                measure=self._measure_next))
+            action = Deliver('batch', self._generation, state=head.state,
+                             examples=head.results, buffer=head.buffer,
+                             cache_wants=self._cache_wants(head),
+                             measure=self._measure_next)
+            self._emit(action)
+            if action.cache_wants or action.measure:
+                outcome = 'answer'
             self._measure_next = False
             head.results = None
             self._discard(head)
         self._in_flight.popleft()
         self.delivered += 1
         self._delivered_ever += 1
-        return True
+        return outcome
 
     def _cache_wants(self, batch) -> Tuple[Tuple[int, int, int], ...]:
         if self.cache is None:
