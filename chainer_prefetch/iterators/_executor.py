@@ -220,15 +220,23 @@ class SharedBuffers:
 
     def allocate(self, count: int, example_bytes: int, batch_size: int
                  ) -> Optional[str]:
-        """Allocates ``count`` buffers; returns why not (``None`` if allocated)."""
+        """Allocates ``count`` buffers; returns why not (``None`` if allocated).
+
+        Refused when the buffers would take more than half of the memory
+        available now (the pages are only touched as examples are written,
+        and running out then would bring the out-of-memory killer).
+        """
         size = example_bytes * batch_size
+        available = available_memory()
+        if available is not None and count * size > available // 2:
+            return ('{} x {} bytes of shared memory is more than half of the '
+                    '{} bytes available'.format(count, size, available))
         maps, fds = [], []
         try:
             for _ in range(count):
                 fd = os.memfd_create('chainer_prefetch-batch', os.MFD_CLOEXEC)
                 fds.append(fd)
                 os.ftruncate(fd, size)
-                os.posix_fallocate(fd, 0, size)  # fail now, not with SIGBUS later
                 maps.append(mmap.mmap(fd, size))
         except (OSError, AttributeError) as error:
             for buffer in maps:
@@ -253,6 +261,25 @@ class SharedBuffers:
         for buffer in self._maps:
             buffer.close()
         self._maps = []
+
+
+def available_memory() -> Optional[int]:
+    """Bytes of memory available now: the system's, or the cgroup's if smaller."""
+    found = []
+    try:
+        with open('/proc/meminfo') as meminfo:
+            for line in meminfo:
+                if line.startswith('MemAvailable:'):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open('/sys/fs/cgroup/memory.max') as limit, \
+                open('/sys/fs/cgroup/memory.current') as current:
+            found.append(int(limit.read()) - int(current.read()))
+    except (OSError, ValueError):  # no cgroup v2 limit ('max')
+        pass
+    return min(found) if found else None
 
 
 class Executor:
