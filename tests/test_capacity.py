@@ -232,7 +232,7 @@ def test_worker_reads_the_source_when_a_copy_vanished(dataset, tmp_path):
     local_root = str(tmp_path / 'evicted')
     located = resolve_dataset_files(data).located(
         lambda path: os.path.join(local_root, os.path.basename(path)))
-    [(read_from, example, source_bytes)] = _load_in_this_process(
+    [(read_from, example, source_bytes, _)] = _load_in_this_process(
         data, located, local_root, [(0, 3, True)])
     assert read_from == 'fallback' and source_bytes == 0  # no files given
     assert_examples_equal([example], [data[3]])
@@ -259,7 +259,7 @@ def test_worker_does_not_retry_an_error_that_is_not_about_a_local_copy(
     for error in (ValueError('bug in a transform'),
                   FileNotFoundError(2, 'elsewhere', '/etc/no-such-file')):
         calls = []
-        [(read_from, raised, traceback_text)] = _load_in_this_process(
+        [(read_from, raised, traceback_text, *_)] = _load_in_this_process(
             data, _BrokenView(calls, error), local_root, [(0, 3, True)])
         assert read_from is None and type(raised) is type(error)
         assert calls == [3] and type(error).__name__ in traceback_text
