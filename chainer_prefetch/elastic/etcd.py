@@ -92,7 +92,7 @@ def connect(url: EtcdUrl, timeout: float) -> etcd3gw.Etcd3Client:
                 'etcd at {} is not reachable (tried for {:.0f} s; job {!r}): '
                 'start etcd there or fix the --elastic address; last error: '
                 '{}'.format(', '.join('{}:{}'.format(*e) for e in url.endpoints),
-                            timeout, url.job, last_error))
+                            timeout, url.job, repr(last_error)))
         time.sleep(0.2)
 
 
