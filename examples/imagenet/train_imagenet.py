@@ -84,6 +84,7 @@ from models import ARCHS  # NOQA: E402
 from time_breakdown import COMPONENTS  # NOQA: E402
 from time_breakdown import install_time_breakdown  # NOQA: E402
 from time_breakdown import TimedUpdater  # NOQA: E402
+from elastic_training import add_elastic_arguments  # NOQA: E402
 
 
 CPU_COMMUNICATORS = ('naive',)
@@ -229,6 +230,7 @@ def parse_args(argv=None):
     parser.add_argument('--progress', action='store_true',
                         help='show a progress bar on rank 0')
     add_fault_tolerance_arguments(parser)
+    add_elastic_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -339,6 +341,9 @@ def main(argv=None):
 
     if args.fault_tolerance is not None:
         return train_fault_tolerant(args)
+    if args.elastic is not None:
+        from elastic_training import train_elastic
+        return train_elastic(args, PreprocessedDataset, make_iterator, ARCHS)
 
     comm = chainermn.create_communicator(args.communicator)
     if args.gpu:
@@ -622,4 +627,4 @@ def _validation_event(events, comm):
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(main())
