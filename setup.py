@@ -24,5 +24,7 @@ setup(
     extras_require={
         'test': ['pytest', 'pytest-timeout'],
         'gpu': ['cupy'],
+        # chainer_prefetch.elastic; needs an etcd server (Debian etcd-server)
+        'elastic': ['torch', 'etcd3gw'],
     },
 )

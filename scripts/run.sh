@@ -37,6 +37,11 @@ setup() {
         pip install -q --no-build-isolation chainer==7.8.1
         pip install -q --no-build-isolation --no-deps -e .
     fi
+    if ! python -c 'import torch.distributed, etcd3gw' 2>/dev/null; then
+        echo "installing the [elastic] extra into .venv"
+        grep -v '^torch' scripts/requirements-elastic.txt | pip install -q -r /dev/stdin
+        pip install -q --no-deps "$(grep '^torch' scripts/requirements-elastic.txt | cut -d' ' -f1)"
+    fi
 }
 
 setup
