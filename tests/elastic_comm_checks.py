@@ -76,10 +76,12 @@ def main(url):
             chainer.reporter.report({'value': float(numpy.mean(x))}, self)
             return x
     data = numpy.full((4, 1), rank, dtype=numpy.float32)
+    target = Mean()
     evaluator = chainermn.create_multi_node_evaluator(extensions.Evaluator(
         chainer.iterators.SerialIterator(data, 2, repeat=False, shuffle=False),
-        Mean()), comm)
+        target), comm)
     reporter = chainer.Reporter()
+    reporter.add_observer('main', target)
     with reporter.scope({}):
         result = evaluator.evaluate()
     assert numpy.isclose(result['main/value'], 1.0), result

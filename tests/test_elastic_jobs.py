@@ -219,3 +219,51 @@ def test_import_without_the_extra_names_it():
     output = subprocess.run([sys.executable, '-c', code], check=True,
                             stdout=subprocess.PIPE).stdout.decode()
     assert '[elastic]' in output and 'torch' in output, output
+
+
+def test_imagenet_example_joins_a_running_job(etcd, tmp_path):
+    """The example with --elastic: two members, a third started later with
+    the same arguments joins; all finish with the same parameters, the
+    members that trained before keep local copies local, and the
+    shared-storage reads of each generation are counted."""
+    import helpers
+    data = tmp_path / 'data'
+    train_list, val_list = helpers.make_colour_dataset(str(data), n_train=24,
+                                                       n_val=8)
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))), 'examples', 'imagenet', 'train_imagenet.py')
+    events = tmp_path / 'events.jsonl'
+
+    def member(index):
+        return subprocess.Popen(
+            [sys.executable, script, train_list, val_list, '--root',
+             str(data), '--arch', 'tiny', '--crop-size', '32',
+             '--batchsize', '8', '--val_batchsize', '16', '--epoch', '6',
+             '--loaderjob', '1', '--copy-threads', '2', '--start-method',
+             'fork', '--local-dir', str(tmp_path / 'local{}'.format(index)),
+             '--out', str(tmp_path / 'out'), '--elastic', etcd.url('imagenet'),
+             '--scale-policy', 'minmax:1', '--elastic-ttl', '2',
+             '--elastic-settle', '1', '--elastic-events', str(events)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            start_new_session=True)
+    job = ElasticJob(etcd.url('imagenet'), tmp_path)
+    job.events_path = str(events)
+    job.processes = [member(0), member(1)]
+    try:
+        job.wait_for(lambda j: len(j.events('epoch')) >= 1, 120,
+                     'the first epoch')
+        job.processes.append(member(2))
+        codes = job.wait(240)
+    finally:
+        job.kill_all()
+    assert codes == [0, 0, 0], [job.stderr_of(p)[-2000:] for p in job.processes]
+    finished = job.events('finished')
+    assert len(finished) == 3 and len({e['params_sha1'] for e in finished}) == 1
+    assert all(e['size'] == 3 for e in finished)
+    grown = [e for e in job.events('resumed') if e['size'] == 3]
+    assert len(grown) == 3
+    assert sum(e['kept_local'] for e in grown) > 0
+    reads = [e['previous_storage'] for e in grown if e['previous_storage']]
+    assert reads and all(r['files_copied'] + r['examples_from_source'] > 0
+                         for r in reads)
+    job.assert_clean(etcd)

@@ -42,6 +42,19 @@ from chainer_prefetch.resilience.policy import (
 IteratorFactory = Callable[[Any], Any]
 """``factory(dataset) -> iterator`` (the old iterator is finalized)."""
 
+STORAGE_STATS = ('files_copied', 'examples_from_source', 'examples_from_local')
+"""Counters of ``PrefetchMultiprocessIterator.stats`` kept per generation:
+shared-storage reads are ``files_copied`` (stage 2) plus
+``examples_from_source`` (stage 3)."""
+
+
+def storage_reads(iterator) -> Optional[Dict[str, int]]:
+    """The storage counters of an iterator (None if it has no ``stats``)."""
+    stats = getattr(iterator, 'stats', None)
+    if stats is None:
+        return None
+    return {key: int(stats.get(key, 0)) for key in STORAGE_STATS}
+
 
 def serialized(target) -> Dict[str, numpy.ndarray]:
     """The state of a link, optimizer or iterator as a dict of arrays."""
@@ -111,6 +124,8 @@ class ElasticTraining:
             same value share them, e.g. ``host:local_dir``); default: the
             host.
         epochs: Length of the run, for the policy's progress (or None).
+        keep_local: Keep local copies local when re-splitting (False: the
+            plain contiguous split, for comparison).
         on_event: ``on_event(name, **fields)`` callback.
     """
 
@@ -120,7 +135,8 @@ class ElasticTraining:
                  evaluator=None, trainer=None, seed: Optional[int] = 0,
                  lr_rule: Union[str, LrRule] = 'linear',
                  locality: Optional[str] = None,
-                 epochs: Optional[float] = None, on_event=None):
+                 epochs: Optional[float] = None, keep_local: bool = True,
+                 on_event=None):
         self.comm = comm
         self.model = model
         self.optimizer = optimizer
@@ -135,6 +151,7 @@ class ElasticTraining:
         self.lr_rule = resolve_lr_rule(lr_rule)
         self.locality = locality or plan.host_of(comm.member)
         self.epochs = epochs
+        self.keep_local = keep_local
         self.on_event = on_event or comm.on_event
         self.history: List[Dict[str, Any]] = []
         self.held = numpy.zeros(0, dtype=numpy.int64)
@@ -228,8 +245,9 @@ class ElasticTraining:
         self.updater.iteration = int(package['iteration'])
         held: Dict[str, numpy.ndarray] = {}
         for _, locality, mask in infos:
-            held[locality] = numpy.union1d(held.get(locality, []),
-                                           _held_indices(n, mask))
+            if self.keep_local:
+                held[locality] = numpy.union1d(held.get(locality, []),
+                                               _held_indices(n, mask))
         split = plan.locality_split(
             n, [info[1] for info in infos], held, shard_order(n, self.seed),
             shard_bounds)
@@ -249,7 +267,7 @@ class ElasticTraining:
             lr=self.optimizer.lr, shard=len(shard),
             kept_local=split.kept_local[comm.rank],
             plain_kept_local=split.plain_kept_local[comm.rank],
-            previous_shared_reads=reads,
+            previous_storage=reads,
             rendezvous_seconds=formed - started,
             state_seconds=time.monotonic() - formed,
             total_seconds=time.monotonic() - started)
@@ -265,11 +283,12 @@ class ElasticTraining:
                     lr=self.optimizer.lr, size=self.trained_size)
 
     def _replace_iterators(self, shard: numpy.ndarray,
-                           package: Dict[str, Any]) -> Optional[int]:
+                           package: Dict[str, Any]
+                           ) -> Optional[Dict[str, int]]:
         """New iterators over ``shard`` at the source's epoch position;
-        returns the shared-storage reads of the replaced one (if known)."""
+        returns the storage counters of the replaced one (if known)."""
         old = self.updater.get_iterator('main')
-        reads = getattr(old, 'stats', {}).get('examples_from_source')
+        reads = storage_reads(old)
         iterator = self.make_train_iterator(subset(self.train, shard))
         epoch = int(package['epoch'])
         fraction = float(package['epoch_detail']) - epoch

@@ -45,6 +45,9 @@ def add_elastic_arguments(parser):
                             'forming a group')
     group.add_argument('--elastic-wait-timeout', type=float, default=600.0,
                        help='bound on a wait ordered by the policy')
+    group.add_argument('--elastic-plain-split', action='store_true',
+                       help='re-split contiguously, ignoring local copies '
+                            '(for comparison)')
     group.add_argument('--elastic-events', default=None,
                        help='event log (default OUT/elastic_events.jsonl)')
     group.add_argument('--elastic-kill-at', default=None,
@@ -63,6 +66,7 @@ def train_elastic(args, dataset_class, make_iterator, archs):
     """
     from chainer_prefetch import elastic
     from chainer_prefetch.elastic.policy import parse_policy
+    from chainer_prefetch.elastic.training import storage_reads
     from chainer_prefetch.resilience.injection import EventLog
     if args.gpu or args.communicator != 'naive':
         sys.exit('--elastic runs on the CPU (gloo); drop --gpu / '
@@ -129,13 +133,11 @@ def train_elastic(args, dataset_class, make_iterator, archs):
             comm, model, optimizer, updater, train, train_iterator, val,
             val_iterator, evaluator, trainer, seed=args.seed,
             lr_rule=args.lr_rule, locality=locality, epochs=args.epoch,
-            on_event=on_event)
+            keep_local=not args.elastic_plain_split, on_event=on_event)
         trainer.run()
-        iterator = updater.get_iterator('main')
         events.write('finished', iteration=updater.iteration, size=comm.size,
                      params_sha1=_parameters_digest(model),
-                     shared_reads=getattr(iterator, 'stats', {}).get(
-                         'examples_from_source'))
+                     storage=storage_reads(updater.get_iterator('main')))
         run.finish()
         return 0
     except elastic.JobFinished as end:
