@@ -57,11 +57,12 @@ def read_events(path):
 class Run:
     """One elastic job: its members, events and outcome."""
 
-    def __init__(self, name, args, data, work):
+    def __init__(self, name, repeat, args, data, work):
         self.name = name
+        self.repeat = repeat
         self.args = args
         self.data = data
-        self.work = os.path.join(work, name)
+        self.work = os.path.join(work, '{}.{}'.format(name, repeat))
         shutil.rmtree(self.work, ignore_errors=True)
         os.makedirs(self.work)
         self.events_path = os.path.join(self.work, 'events.jsonl')
@@ -95,6 +96,20 @@ class Run:
                     if e['event'] == 'epoch'] or [0])
 
     def execute(self):
+        """Runs the job; every member is killed if it is still there when
+        this returns or raises (Ctrl-C included)."""
+        try:
+            return self._execute()
+        finally:
+            self._kill_members()
+
+    def _kill_members(self):
+        for member in self.members:
+            if member.poll() is None:
+                os.killpg(member.pid, signal.SIGKILL)
+                member.wait()
+
+    def _execute(self):
         kind = self.name.split('-')[0]
         event = None
         with EtcdServer() as server:
@@ -119,15 +134,14 @@ class Run:
             for member in self.members:
                 codes.append(member.wait(max(1, deadline - time.monotonic())))
             left = server.keys()
-        return summarize(self.name, read_events(self.events_path), event,
-                         codes, left, self.commands[0])
+        summary = summarize(self.name, read_events(self.events_path), event,
+                            codes, left, self.commands[0])
+        summary['repeat'] = self.repeat
+        return summary
 
     def _check(self, deadline):
         if time.monotonic() > deadline or all(
                 m.poll() is not None for m in self.members):
-            for member in self.members:
-                if member.poll() is None:
-                    os.killpg(member.pid, signal.SIGKILL)
             raise RuntimeError('run {} ended before its event; see {}'.format(
                 self.name, self.work))
 
@@ -195,6 +209,7 @@ def main(argv=None):
     parser.add_argument('--batchsize', type=int, default=8)
     parser.add_argument('--ttl', type=int, default=3)
     parser.add_argument('--settle', type=float, default=1.0)
+    parser.add_argument('--repeats', type=int, default=2)
     parser.add_argument('--timeout', type=float, default=600)
     parser.add_argument('--work', default=None,
                        help='scratch directory (default: a temporary one)')
@@ -205,21 +220,23 @@ def main(argv=None):
         make_dataset.generate(data, args.images, args.classes, 0,
                               val_images=args.images // 4, mean_size=20000,
                               workers=2, progress=False)
-    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(os.path.join(args.out, 'events'), exist_ok=True)
     results = dict(command=' '.join(sys.argv), settings=vars(args),
                    machine=dict(cpus=os.cpu_count(), python=platform.python_version()),
                    runs=[])
-    for name in args.runs.split(','):
-        started = time.monotonic()
-        summary = Run(name, args, data, work).execute()
-        summary['seconds'] = time.monotonic() - started
-        results['runs'].append(summary)
-        print(json.dumps({k: v for k, v in summary.items()
-                          if k not in ('curve', 'command')}), flush=True)
-        with open(os.path.join(args.out, 'elastic.json'), 'w') as f:
-            json.dump(results, f, indent=1)
-        shutil.copy(os.path.join(work, name, 'events.jsonl'),
-                    os.path.join(args.out, 'events_{}.jsonl'.format(name)))
+    for repeat in range(args.repeats):
+        for name in args.runs.split(','):
+            started = time.monotonic()
+            run = Run(name, repeat, args, data, work)
+            summary = run.execute()
+            summary['seconds'] = time.monotonic() - started
+            results['runs'].append(summary)
+            print(json.dumps({k: v for k, v in summary.items()
+                              if k not in ('curve', 'command')}), flush=True)
+            with open(os.path.join(args.out, 'elastic.json'), 'w') as f:
+                json.dump(results, f, indent=1)
+            shutil.copy(run.events_path, os.path.join(
+                args.out, 'events', '{}.{}.jsonl'.format(name, repeat)))
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -212,6 +212,25 @@ def test_etcd_down_at_start(tmp_path):
     assert 'EtcdUnavailable' in message and str(port) in message, message
 
 
+def test_etcd_lost_mid_run_ends_the_job_with_a_message(tmp_path):
+    server = EtcdServer().start()
+    try:
+        j = ElasticJob(server.url('job'), tmp_path, *COMMON,
+                       '--policy', 'minmax:1', '--epochs', '50',
+                       '--etcd-timeout', '3')
+        members = [j.start(), j.start()]
+        j.wait_for(lambda j: len(j.events('resumed')) == 2, 60,
+                   'two members training')
+    finally:
+        server.stop()
+    lost = time.monotonic()
+    assert j.wait(60) == [3, 3]
+    assert time.monotonic() - lost < 3 + 30
+    for process in members:
+        message = j.stderr_of(process)
+        assert 'EtcdUnavailable' in message and 'lost etcd' in message, message
+
+
 def test_import_without_the_extra_names_it():
     code = ("import sys; sys.modules['torch'] = None\n"
             "try:\n    import chainer_prefetch.elastic\n"

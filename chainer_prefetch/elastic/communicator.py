@@ -359,13 +359,21 @@ class ElasticCommunicator(CommunicatorBase):
             try:
                 work.wait(POLL)
                 return
-            except RuntimeError as error:
-                if work.is_completed():  # it failed (not just this slice)
-                    self._abandon()
-                    raise MembershipChanged('{} failed in generation {}: {}'
-                                            .format(what, self.generation,
-                                                    str(error).splitlines()[0])
-                                            ) from error
+            except RuntimeError:
+                pass  # the slice ended (or the operation failed: below)
+            if work.is_completed():
+                # Done between the slice's end and now, or failed: a second
+                # wait returns at once or raises the operation's error.
+                try:
+                    work.wait()
+                    return
+                except RuntimeError as error:
+                    # Nothing in flight: closing now tells the peers at once.
+                    self._pg = self._store = None
+                    raise MembershipChanged(
+                        '{} failed in generation {}: {}'.format(
+                            what, self.generation,
+                            str(error).splitlines()[0])) from error
             problem = self._group_problem(self.record)
             if problem is None and time.monotonic() > deadline:
                 problem = 'no progress for {} s (a member hangs?)'.format(

@@ -57,8 +57,13 @@ def add_elastic_arguments(parser):
                             'mid-rebuild)')
 
 
-def train_elastic(args, dataset_class, make_iterator, archs):
+def train_elastic(args, dataset_class, make_iterator, archs, digest):
     """Trains as a member of the elastic job ``args.elastic``.
+
+    Args:
+        args: The example's parsed arguments.
+        dataset_class, make_iterator, archs, digest: The example's dataset
+            class, iterator factory, architectures and parameter digest.
 
     Returns:
         The process's exit status (0: the job finished; 3: it failed, with
@@ -136,7 +141,7 @@ def train_elastic(args, dataset_class, make_iterator, archs):
             keep_local=not args.elastic_plain_split, on_event=on_event)
         trainer.run()
         events.write('finished', iteration=updater.iteration, size=comm.size,
-                     params_sha1=_parameters_digest(model),
+                     params_sha1=digest(model),
                      storage=storage_reads(updater.get_iterator('main')))
         run.finish()
         return 0
@@ -168,12 +173,3 @@ def _epoch_event(events, comm):
 
 def _number(value):
     return None if value is None else float(chainer.as_array(value))
-
-
-def _parameters_digest(model):
-    import hashlib
-    digest = hashlib.sha1()
-    for name, param in sorted(model.namedparams()):
-        digest.update(name.encode())
-        digest.update(np.ascontiguousarray(param.array).tobytes())
-    return digest.hexdigest()

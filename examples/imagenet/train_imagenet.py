@@ -343,7 +343,8 @@ def main(argv=None):
         return train_fault_tolerant(args)
     if args.elastic is not None:
         from elastic_training import train_elastic
-        return train_elastic(args, PreprocessedDataset, make_iterator, ARCHS)
+        return train_elastic(args, PreprocessedDataset, make_iterator, ARCHS,
+                             _parameters_digest)
 
     comm = chainermn.create_communicator(args.communicator)
     if args.gpu:
