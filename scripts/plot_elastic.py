@@ -71,7 +71,40 @@ def median(values):
     return statistics.median(values) if values else None
 
 
-def table(results):
+def read_events(results_dir, run):
+    path = os.path.join(results_dir, 'events', '{}.{}.jsonl'.format(
+        run['name'], run['repeat']))
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def phases(results_dir, run):
+    """Where the time from the event to training again went (seconds):
+    ``seen`` (the event until the first member starts a rebuild; for a
+    join, until the last joiner has registered), ``decide`` (until the
+    leader's decision: lease expiry and settle window), ``form`` (until
+    every member is in the new gloo group), ``state`` (until every member
+    has the state and its new shard)."""
+    events = read_events(results_dir, run)
+    t0 = min(e['time'] for e in events if e['event'] == 'start')
+    event = t0 + run['event']
+    generation = run['generation']
+    at = {name: [e['time'] for e in events if e['event'] == name
+                 and e.get('generation') == generation]
+          for name in ('decided', 'formed', 'resumed')}
+    if run['name'].startswith('grow'):
+        seen = max(e['time'] for e in events if e['event'] == 'registered'
+                   and e['time'] >= event)
+    else:
+        seen = min(e['time'] for e in events if e['event'] == 'rebuild'
+                   and e['time'] >= event)
+    decided = min(at['decided'])
+    formed = max(at['formed'])
+    return dict(seen=seen - event, decide=decided - seen,
+                form=formed - decided, state=max(at['resumed']) - formed)
+
+
+def table(results, results_dir):
     fixed = {size: median([r['slope'] for r in runs_named(
         results, 'fixed{}'.format(size))]) for size in (1, 2, 4)}
     lines = ['# Elastic training on one 2-core machine',
@@ -114,6 +147,25 @@ def table(results):
                          median_range([r['state'] for r in runs], 3),
                          median_range([r['final_accuracy'] for r in runs], 3),
                          median_range([r['wall'] for r in runs], 1)))
+    lines += ['', '## Where the time from the event to training again goes', '',
+              'Medians, seconds: seen = event until the first member starts '
+              'a rebuild (a kill: its peers\' collective fails) or until the '
+              'last joiner has registered (a join: process start, imports, '
+              'etcd); decide = until the leader decides (the dead member\'s '
+              'lease must expire, then the settle window); form = until '
+              'every member is in the new gloo group; state = until every '
+              'member has the model, optimizer state and its new shard.',
+              '', '| run | seen | decide | form | state | total |',
+              '|---|---|---|---|---|---|']
+    for name in ('grow', 'grow-plain', 'shrink', 'shrink-plain'):
+        runs = runs_named(results, name)
+        if not runs:
+            continue
+        parts = [phases(results_dir, run) for run in runs]
+        lines.append('| {} | {} | {} | {} | {} | {} |'.format(
+            LABEL[name], *[median_range([p[key] for p in parts])
+                           for key in ('seen', 'decide', 'form', 'state')],
+            median_range([r['recovery'] for r in runs])))
     lines += ['', '## Shared-storage reads after the re-split', '',
               'Examples each member was given at the change (shard), how many '
               'of them its node already held (kept local; what the plain '
@@ -156,7 +208,7 @@ def main(argv=None):
     curve_figure(results, ('fixed4', 'fixed2', 'shrink', 'shrink-plain'),
                  '4 -> 2 members by SIGKILL mid-run (cf. Fig. 7)',
                  args.results, 'fig_shrink.png')
-    text = table(results)
+    text = table(results, args.results)
     with open(os.path.join(args.results, 'table.md'), 'w') as f:
         f.write(text)
     print(text)

@@ -1,6 +1,7 @@
 """The checks of a ChainerMN CPU communicator, run on ElasticCommunicator
 (one process per member; tests/test_elastic_core.py starts three)."""
 import sys
+import time
 
 import numpy
 
@@ -88,5 +89,33 @@ def main(url):
     comm.finish()
 
 
+def leave_check(url):
+    """A member that leaves its group at an iteration boundary (rank 1,
+    not the leader: no newer decision appears meanwhile) must release a
+    peer blocked in a collective at once, not after collective_timeout."""
+    comm = elastic.ElasticCommunicator(url, elastic.FailStop(2),
+                                       elastic.ElasticSettings(
+                                           ttl=2, settle=0.2,
+                                           collective_timeout=30))
+    first = comm.generation
+    if comm.rank == 1:
+        time.sleep(1)
+        comm.rebuild()
+    else:
+        started = time.monotonic()
+        try:
+            comm.allreduce(numpy.ones(3))
+            raise AssertionError('the allreduce returned without its peer')
+        except elastic.MembershipChanged:
+            pass
+        waited = time.monotonic() - started
+        assert waited < 10, 'released after {:.1f} s'.format(waited)
+        comm.rebuild()
+    assert (comm.generation, comm.size) == (first + 1, 2), (
+        first, comm.generation, comm.size)
+    assert comm.allreduce_obj(1) == 2
+    comm.finish()
+
+
 if __name__ == '__main__':
-    main(sys.argv[1])
+    {'checks': main, 'leave': leave_check}[sys.argv[2]](sys.argv[1])

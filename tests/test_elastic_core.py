@@ -162,16 +162,16 @@ def test_urls_and_settings():
         ElasticSettings(ttl=1.5).validated()
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_communicator_passes_the_chainermn_checks():
+def _run_members(mode, count):
+    """Runs ``elastic_comm_checks.py MODE`` as ``count`` members of one job
+    and checks that every one succeeded and nothing was left."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                           'elastic_comm_checks.py')
     with EtcdServer() as server:
         processes = [subprocess.Popen(
-            [sys.executable, script, server.url('checks')],
+            [sys.executable, script, server.url(mode), mode],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            for _ in range(3)]
+            for _ in range(count)]
         try:
             outputs = [p.communicate(timeout=90)[0].decode() for p in processes]
         finally:
@@ -183,3 +183,15 @@ def test_communicator_passes_the_chainermn_checks():
             assert p.returncode == 0, output[-3000:]
             assert not helpers.is_running(p.pid)
         assert helpers.wait_until(lambda: server.keys() == [], 10), server.keys()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_communicator_passes_the_chainermn_checks():
+    _run_members('checks', 3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_leaving_at_a_boundary_releases_a_blocked_peer():
+    _run_members('leave', 2)

@@ -338,14 +338,25 @@ class ElasticCommunicator(CommunicatorBase):
     def _leave_group(self) -> None:
         """Closes this member's process group and store (no operation is
         in flight: a stuck one was handed to a thread by _abandon)."""
-        self._pg = None
+        self._close_group()
         self._store = None
         self._leader_store = None
         self.record = None
 
+    def _close_group(self) -> None:
+        """Aborts the process group, which closes its connections, so that
+        a peer still inside a collective with this member fails at once
+        (dropping the object alone left a peer waiting for gloo's
+        timeout)."""
+        if self._pg is not None:
+            self._pg.abort()
+            self._pg = None
+
     def _abandon(self) -> None:
         """Drops a process group whose operation is stuck, without waiting
         for it (its destructor runs in a thread until gloo's timeout)."""
+        if self._pg is not None:
+            self._pg.abort()
         holder = [self._pg, self._store]
         self._pg = self._store = None
         threading.Thread(target=_release, args=(holder,), daemon=True,
@@ -369,7 +380,7 @@ class ElasticCommunicator(CommunicatorBase):
                     return
                 except RuntimeError as error:
                     # Nothing in flight: closing now tells the peers at once.
-                    self._pg = self._store = None
+                    self._close_group()
                     raise MembershipChanged(
                         '{} failed in generation {}: {}'.format(
                             what, self.generation,
