@@ -247,8 +247,7 @@ def test_imagenet_example_joins_a_running_job(etcd, tmp_path):
     shared-storage reads of each generation are counted."""
     import helpers
     data = tmp_path / 'data'
-    train_list, val_list = helpers.make_colour_dataset(str(data), n_train=24,
-                                                       n_val=8)
+    train_list, val_list = helpers.make_colour_dataset(str(data), n_val=8)
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
         __file__))), 'examples', 'imagenet', 'train_imagenet.py')
     events = tmp_path / 'events.jsonl'
@@ -257,7 +256,7 @@ def test_imagenet_example_joins_a_running_job(etcd, tmp_path):
         return subprocess.Popen(
             [sys.executable, script, train_list, val_list, '--root',
              str(data), '--arch', 'tiny', '--crop-size', '32',
-             '--batchsize', '8', '--val_batchsize', '16', '--epoch', '6',
+             '--batchsize', '8', '--val_batchsize', '16', '--epoch', '12',
              '--loaderjob', '1', '--copy-threads', '2', '--start-method',
              'fork', '--local-dir', str(tmp_path / 'local{}'.format(index)),
              '--out', str(tmp_path / 'out'), '--elastic', etcd.url('imagenet'),
@@ -269,8 +268,8 @@ def test_imagenet_example_joins_a_running_job(etcd, tmp_path):
     job.events_path = str(events)
     job.processes = [member(0), member(1)]
     try:
-        job.wait_for(lambda j: len(j.events('epoch')) >= 1, 120,
-                     'the first epoch')
+        job.wait_for(lambda j: len(j.events('resumed')) >= 2, 120,
+                     'two members training')
         job.processes.append(member(2))
         codes = job.wait(240)
     finally:
