@@ -180,10 +180,13 @@ def table(results, results_dir):
         runs = runs_named(results, name)
         if not runs:
             continue
-        lines.append('| {} | {} x {} | {} ({}) | {} |'.format(
-            LABEL[name], runs[0]['final_size'], runs[0]['shard'],
-            median_range([r['kept_local'] for r in runs], 0),
-            median_range([r['plain_kept_local'] for r in runs], 0),
+        kept = 'not tracked'
+        if not name.endswith('-plain'):
+            kept = '{} ({})'.format(
+                median_range([r['kept_local'] for r in runs], 0),
+                median_range([r['plain_kept_local'] for r in runs], 0))
+        lines.append('| {} | {} x {} | {} | {} |'.format(
+            LABEL[name], runs[0]['final_size'], runs[0]['shard'], kept,
             median_range([r['reads_after'] for r in runs], 0)))
     ok = all(r['identical_parameters'] and not r['keys_left']
              for r in results['runs'])
