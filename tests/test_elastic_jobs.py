@@ -48,6 +48,16 @@ def job(etcd, tmp_path, request):
         one.kill_all()
 
 
+def _start_training(j, count):
+    """Starts ``count`` members and waits until all train together."""
+    members = [j.start() for _ in range(count)]
+    pids = [p.pid for p in members]
+    j.wait_for(lambda j: all(count in j.resumed_sizes(p) for p in pids), 60,
+               '{} members training'.format(count))
+    time.sleep(1)
+    return members, pids
+
+
 def _running(job, pid, size):
     return lambda j: size in j.resumed_sizes(pid)
 
@@ -64,10 +74,7 @@ def _finished_identically(job, pids, size=None):
 
 def test_join_from_a_process_started_outside(etcd, job):
     j = job('--policy', 'minmax:1', '--epochs', '5')
-    first = [j.start().pid, j.start().pid]
-    j.wait_for(lambda j: all(2 in j.resumed_sizes(p) for p in first), 60,
-               'two members training')
-    time.sleep(1)
+    _, first = _start_training(j, 2)
     joiner = j.start().pid
     j.wait_for(lambda j: all(3 in j.resumed_sizes(p) for p in first + [joiner]),
                60, 'the joiner in the group')
@@ -96,11 +103,7 @@ def test_burst_of_three_joins_is_one_rebuild(etcd, job):
 
 def test_leave_by_sigkill(etcd, job):
     j = job('--policy', 'minmax:1', '--epochs', '5')
-    members = [j.start() for _ in range(3)]
-    pids = [p.pid for p in members]
-    j.wait_for(lambda j: all(3 in j.resumed_sizes(p) for p in pids), 60,
-               'three members training')
-    time.sleep(1)
+    members, pids = _start_training(j, 3)
     members[1].send_signal(signal.SIGKILL)
     killed = time.time()
     survivors = [pids[0], pids[2]]
@@ -116,11 +119,7 @@ def test_leave_by_sigkill(etcd, job):
 
 def test_hung_member_is_left_behind_and_rejoins(etcd, job):
     j = job('--policy', 'minmax:1', '--epochs', '6')
-    members = [j.start() for _ in range(3)]
-    pids = [p.pid for p in members]
-    j.wait_for(lambda j: all(3 in j.resumed_sizes(p) for p in pids), 60,
-               'three members training')
-    time.sleep(1)
+    _, pids = _start_training(j, 3)
     os.kill(pids[2], signal.SIGSTOP)
     j.wait_for(lambda j: all(2 in j.resumed_sizes(p) for p in pids[:2]),
                3 * TTL + 20, 'the others going on without the stopped one')
@@ -170,11 +169,7 @@ def test_minmax_standby_takes_over(etcd, job):
 
 def test_leader_killed_mid_rebuild(etcd, job):
     j = job('--policy', 'minmax:1', '--epochs', '5', '--kill-at', 'decided:1')
-    first = [j.start(), j.start()]
-    pids = [p.pid for p in first]
-    j.wait_for(lambda j: all(2 in j.resumed_sizes(p) for p in pids), 60,
-               'two members training')
-    time.sleep(1)
+    first, pids = _start_training(j, 2)
     joiner = j.start()
     j.wait_for(lambda j: j.events('decided') and any(
         e['generation'] == 1 for e in j.events('decided')), 60,
@@ -224,7 +219,8 @@ def test_etcd_lost_mid_run_ends_the_job_with_a_message(tmp_path):
     finally:
         server.stop()
     lost = time.monotonic()
-    assert j.wait(60) == [3, 3]
+    codes = j.wait(60)
+    assert codes == [3, 3], [j.stderr_of(p)[-1500:] for p in members]
     assert time.monotonic() - lost < 3 + 30
     for process in members:
         message = j.stderr_of(process)

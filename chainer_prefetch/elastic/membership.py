@@ -263,10 +263,30 @@ class Membership:
                 timeout = min(timeout, remaining + 0.01)
             self._changed.wait(timeout)
 
+    def _retrying(self, what: str, call, *args, **kwargs):
+        """``call(*args, **kwargs)``, retried while etcd does not answer.
+
+        Raises:
+            EtcdUnavailable: no answer within ``etcd_timeout``.
+        """
+        deadline = time.monotonic() + self.settings.etcd_timeout
+        while True:
+            self.check()
+            try:
+                return call(*args, **kwargs)
+            except Exception as error:  # requests/etcd3gw errors vary
+                if time.monotonic() > deadline:
+                    raise EtcdUnavailable(
+                        'lost etcd at {} for more than {} s during the run '
+                        'of job {!r} ({}: {!r})'.format(
+                            self.url, self.settings.etcd_timeout,
+                            self.url.job, what, error)) from error
+                time.sleep(0.2)
+
     def announce(self, progress: Progress) -> None:
         """Publishes this member's training progress (at each rebuild), for
         the leader's policy."""
-        self._register(progress)
+        self._retrying('announce', self._register, progress)
 
     def furthest_progress(self, members, own: Progress) -> Progress:
         """The progress of the member of ``members`` furthest ahead."""
@@ -277,7 +297,8 @@ class Membership:
     def publish(self, record: Record) -> bool:
         """Stores ``record`` if its generation has none yet (atomically);
         returns whether it did."""
-        created = self.client.create(
+        created = self._retrying(
+            'publish', self.client.create,
             self._key('gen', '{:010d}'.format(record.generation)),
             json.dumps(record.to_dict()), lease=self._job_lease)
         if created:

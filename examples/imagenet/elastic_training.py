@@ -57,13 +57,13 @@ def add_elastic_arguments(parser):
                             'mid-rebuild)')
 
 
-def train_elastic(args, dataset_class, make_iterator, archs, digest):
+def train_elastic(args, example):
     """Trains as a member of the elastic job ``args.elastic``.
 
     Args:
         args: The example's parsed arguments.
-        dataset_class, make_iterator, archs, digest: The example's dataset
-            class, iterator factory, architectures and parameter digest.
+        example: The ``train_imagenet`` module (its dataset class,
+            architectures, optimizer and iterator factories, digest).
 
     Returns:
         The process's exit status (0: the job finished; 3: it failed, with
@@ -86,9 +86,10 @@ def train_elastic(args, dataset_class, make_iterator, archs, digest):
             os.kill(os.getpid(), signal.SIGKILL)
 
     mean = np.load(args.mean) if args.mean else None
-    train = dataset_class(args.train, args.root, mean, args.crop_size)
-    val = dataset_class(args.val, args.root, mean, args.crop_size,
-                        random=False)
+    train = example.PreprocessedDataset(args.train, args.root, mean,
+                                        args.crop_size)
+    val = example.PreprocessedDataset(args.val, args.root, mean,
+                                      args.crop_size, random=False)
     n_class = args.n_class or 1 + max(
         int(label) for _, label in train.base._pairs)
     signature = dict(arch=args.arch, n_class=n_class,
@@ -105,22 +106,10 @@ def train_elastic(args, dataset_class, make_iterator, archs, digest):
         comm = elastic.ElasticCommunicator(
             args.elastic, parse_policy(args.scale_policy), settings,
             signature, on_event)
-        model = chainer.links.Classifier(archs[args.arch](n_class=n_class))
-        lr = args.lr * args.batchsize * comm.size / 256.0
-        optimizer = chainermn.create_multi_node_optimizer(
-            chainer.optimizers.MomentumSGD(lr=lr, momentum=args.momentum),
-            comm)
-        optimizer.setup(model)
-        if args.weight_decay > 0:
-            optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
-                args.weight_decay))
-
-        def train_iterator(shard):
-            return make_iterator(args, shard, args.batchsize, True)
-
-        def val_iterator(shard):
-            return make_iterator(args, shard, args.val_batchsize, False)
-
+        model = chainer.links.Classifier(
+            example.ARCHS[args.arch](n_class=n_class))
+        optimizer = example.make_optimizer(args, model, comm)
+        train_iterator, val_iterator = example.shard_iterator_factories(args)
         # Placeholders: ElasticTraining builds the real iterators over this
         # member's shard when the group is formed.
         updater = training.updaters.StandardUpdater(
@@ -141,7 +130,7 @@ def train_elastic(args, dataset_class, make_iterator, archs, digest):
             keep_local=not args.elastic_plain_split, on_event=on_event)
         trainer.run()
         events.write('finished', iteration=updater.iteration, size=comm.size,
-                     params_sha1=digest(model),
+                     params_sha1=example._parameters_digest(model),
                      storage=storage_reads(updater.get_iterator('main')))
         run.finish()
         return 0

@@ -343,8 +343,7 @@ def main(argv=None):
         return train_fault_tolerant(args)
     if args.elastic is not None:
         from elastic_training import train_elastic
-        return train_elastic(args, PreprocessedDataset, make_iterator, ARCHS,
-                             _parameters_digest)
+        return train_elastic(args, sys.modules[__name__])
 
     comm = chainermn.create_communicator(args.communicator)
     if args.gpu:
@@ -452,6 +451,29 @@ def main(argv=None):
     trainer.run()
 
 
+def make_optimizer(args, model, comm):
+    """The multi-node MomentumSGD of ``--fault-tolerance`` and
+    ``--elastic`` (learning rate scaled to the global batch)."""
+    lr = args.lr * args.batchsize * comm.size / 256.0
+    optimizer = chainermn.create_multi_node_optimizer(
+        chainer.optimizers.MomentumSGD(lr=lr, momentum=args.momentum), comm)
+    optimizer.setup(model)
+    if args.weight_decay > 0:
+        optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
+            args.weight_decay))
+    return optimizer
+
+
+def shard_iterator_factories(args):
+    """``(train_iterator(shard), val_iterator(shard))`` factories."""
+    def train_iterator(shard):
+        return make_iterator(args, shard, args.batchsize, True)
+
+    def val_iterator(shard):
+        return make_iterator(args, shard, args.val_batchsize, False)
+    return train_iterator, val_iterator
+
+
 def train_fault_tolerant(args):
     """Training that survives a failed rank (``--fault-tolerance``).
 
@@ -512,20 +534,8 @@ def train_fault_tolerant(args):
 
     device = chainer.get_device('@numpy')
     model = chainer.links.Classifier(ARCHS[args.arch](n_class=n_class))
-    lr = args.lr * args.batchsize * comm.size / 256.0
-    optimizer = chainermn.create_multi_node_optimizer(
-        chainer.optimizers.MomentumSGD(lr=lr, momentum=args.momentum), comm)
-    optimizer.setup(model)
-    if args.weight_decay > 0:
-        optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
-            args.weight_decay))
-
-    def train_iterator(shard):
-        return make_iterator(args, shard, args.batchsize, True)
-
-    def val_iterator(shard):
-        return make_iterator(args, shard, args.val_batchsize, False)
-
+    optimizer = make_optimizer(args, model, comm)
+    train_iterator, val_iterator = shard_iterator_factories(args)
     updater = training.updaters.StandardUpdater(
         train_iterator(ft_training.shard(train, comm.size, comm.rank,
                                          args.seed)),
