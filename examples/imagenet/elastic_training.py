@@ -76,6 +76,16 @@ def train_elastic(args, example):
     if args.gpu or args.communicator != 'naive':
         sys.exit('--elastic runs on the CPU (gloo); drop --gpu / '
                  '--communicator')
+    try:  # bad input: a message, not a traceback
+        elastic.parse_etcd_url(args.elastic)
+        policy = parse_policy(args.scale_policy)
+        settings = elastic.ElasticSettings(
+            ttl=args.elastic_ttl, settle=args.elastic_settle,
+            collective_timeout=args.elastic_timeout,
+            rendezvous_timeout=args.elastic_timeout,
+            wait_timeout=args.elastic_wait_timeout).validated()
+    except ValueError as error:
+        sys.exit('train_imagenet.py: {}'.format(error))
     events = EventLog(args.elastic_events or os.path.join(
         args.out, 'elastic_events.jsonl'), os.getpid())
 
@@ -96,16 +106,10 @@ def train_elastic(args, example):
                      crop_size=args.crop_size, batchsize=args.batchsize,
                      train=len(train), val=len(val), epochs=args.epoch,
                      lr=args.lr, seed=args.seed)
-    settings = elastic.ElasticSettings(
-        ttl=args.elastic_ttl, settle=args.elastic_settle,
-        collective_timeout=args.elastic_timeout,
-        rendezvous_timeout=args.elastic_timeout,
-        wait_timeout=args.elastic_wait_timeout)
     events.write('start', local_dir=args.local_dir)
     try:
         comm = elastic.ElasticCommunicator(
-            args.elastic, parse_policy(args.scale_policy), settings,
-            signature, on_event)
+            args.elastic, policy, settings, signature, on_event)
         model = chainer.links.Classifier(
             example.ARCHS[args.arch](n_class=n_class))
         optimizer = example.make_optimizer(args, model, comm)
