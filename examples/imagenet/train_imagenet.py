@@ -398,12 +398,7 @@ def main(argv=None):
     train_iter = make_iterator(args, train, args.batchsize, True)
     val_iter = make_iterator(args, val, args.val_batchsize, False)
 
-    optimizer = chainermn.create_multi_node_optimizer(
-        chainer.optimizers.MomentumSGD(lr=lr, momentum=args.momentum), comm)
-    optimizer.setup(model)
-    if args.weight_decay > 0:
-        optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
-            args.weight_decay))
+    optimizer = make_optimizer(args, model, comm)
 
     # Times load / forward / backward / allreduce / other per iteration
     # (see time_breakdown.py); on a GPU each phase ends with a device sync.
