@@ -21,6 +21,24 @@ import chainer
 FAILURE_MODES = ('kill', 'stop', 'exit')
 
 
+def fail_now(mode: str) -> None:
+    """Makes this process fail now: ``kill`` (``SIGKILL``), ``stop``
+    (``SIGSTOP``) or ``exit`` (``os._exit(1)``, without ``MPI_Finalize``).
+
+    Raises:
+        ValueError: unknown mode.
+    """
+    if mode == 'kill':
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif mode == 'stop':
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif mode == 'exit':
+        os._exit(1)
+    else:
+        raise ValueError('failure mode must be one of {}, got {!r}'.format(
+            ', '.join(FAILURE_MODES), mode))
+
+
 def injection_due(iteration: int, elapsed: float, at_iteration: Optional[int],
                   at_seconds: Optional[float]) -> bool:
     """Whether a failure planned at an iteration or a time is due now."""
@@ -108,9 +126,4 @@ class FailureInjector(chainer.training.Extension):
         if self.events is not None:
             self.events.write('failure', mode=self.mode,
                               iteration=trainer.updater.iteration)
-        if self.mode == 'kill':
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif self.mode == 'stop':
-            os.kill(os.getpid(), signal.SIGSTOP)
-        else:
-            os._exit(1)
+        fail_now(self.mode)
