@@ -104,11 +104,36 @@ def release_connections(barrier: MPI.Comm, to_free: Sequence[Optional[MPI.Comm]]
         except (MPI.Exception, NotImplementedError):
             pass  # nothing to acknowledge without ULFM
     GuardedComm(barrier, heartbeat).Barrier()
+    living = barrier.Get_group()
+    try:
+        remote_alive = [remote_members_in(intercomm, living)
+                        for intercomm in intercomms]
+    finally:
+        living.Free()
     for comm in to_free:
         if comm is not None and comm != MPI.COMM_NULL:
             comm.Free()
-    for intercomm in intercomms:
-        GuardedComm(intercomm, heartbeat).Disconnect()
+    for intercomm, alive in zip(intercomms, remote_alive):
+        if alive:
+            GuardedComm(intercomm, heartbeat).Disconnect()
+        else:
+            # Every process on the other side is dead and its job is gone:
+            # Disconnect would wait for that job forever.
+            intercomm.Free()
+
+
+def remote_members_in(intercomm: MPI.Intercomm, group: MPI.Group) -> int:
+    """How many processes of the remote group of ``intercomm`` are in
+    ``group``."""
+    remote = intercomm.Get_remote_group()
+    try:
+        common = MPI.Group.Intersection(remote, group)
+        try:
+            return common.Get_size()
+        finally:
+            common.Free()
+    finally:
+        remote.Free()
 
 
 class GuardedComm:

@@ -59,8 +59,9 @@ class EventLog:
         self.path = path
         self.rank = rank
 
-    def write(self, event: str, **fields) -> None:
-        """Writes ``event`` now and forces it to disk (it may be the last)."""
+    def write(self, event: str, sync: bool = True, **fields) -> None:
+        """Writes ``event`` now, forced to disk unless ``sync`` is False (an
+        event may be the last one of the process)."""
         if self.path is None:
             return
         record = dict(event=event, time=time.time(), rank=self.rank, **fields)
@@ -70,7 +71,8 @@ class EventLog:
         with open(self.path, 'a') as f:
             f.write(json.dumps(record) + '\n')
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
 
 
 def read_events(path: str) -> list:

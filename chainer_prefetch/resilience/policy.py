@@ -124,15 +124,6 @@ def failed_ranks(old_size: int, survivor_ranks: Sequence[int]) -> List[int]:
     return sorted(set(range(old_size)) - set(survivors))
 
 
-def newcomer_rank(failed: Sequence[int], newcomer_index: int) -> int:
-    """The original rank the ``newcomer_index``-th replacement takes.
-
-    Replacements take the failed ranks in increasing order, so that the
-    merged communicator split by original rank has the original order.
-    """
-    return sorted(failed)[newcomer_index]
-
-
 SPARE = -1
 """The role of a warm spare in a pool (a training process has its rank)."""
 

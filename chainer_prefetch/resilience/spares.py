@@ -351,7 +351,9 @@ class SparePool:
     # ---- the spares' side -------------------------------------------------
 
     def park(self, fail_after: Optional[float] = None) -> Optional[tuple]:
-        """Waits for a message from training rank 0 without spinning.
+        """Waits for a message from training rank 0 without spinning, and
+        records how long it waited and how much CPU time this process used
+        meanwhile (event ``spare_woke``).
 
         Args:
             fail_after: Kill this process after that many seconds (failure
@@ -362,23 +364,30 @@ class SparePool:
             revoked (then :meth:`repair`).
         """
         request = self.comm.irecv(source=MPI.ANY_SOURCE, tag=CONTROL_TAG)
-        parked = time.monotonic()
+        parked, cpu = time.monotonic(), time.process_time()
+        message = None
         while True:
             try:
-                done, message = request.test()
+                done, received = request.test()
             except MPI.Exception:
                 try:
                     request.Cancel()
                 except MPI.Exception:
                     pass
-                return None
+                break
             if done:
-                return message
+                message = received
+                break
             if fail_after is not None and (time.monotonic() - parked
                                            >= fail_after):
                 self._record('failure', mode='kill', spare=True)
                 fail_now('kill')
             time.sleep(PARK_POLL_SECONDS)
+        self._record('spare_woke',
+                     reason='failure' if message is None else message[0],
+                     parked_seconds=time.monotonic() - parked,
+                     cpu_seconds=time.process_time() - cpu)
+        return message
 
     def wait(self, fail_after: Optional[float] = None) -> Optional[Takeover]:
         """A spare's life: parks, tops up with the others, repairs after

@@ -71,6 +71,21 @@ def load_state(target, state: Dict[str, Any], keys=None) -> None:
     target.serialize(NpzDeserializer(state, strict=keys is None))
 
 
+def load_optimizer_state(optimizer, state: Dict[str, Any]) -> None:
+    """Loads an optimizer state from :func:`to_state` of another rank.
+
+    The sender may not have updated some parameters yet (a failure during
+    the first update), so their state is absent: it is reset here too (it
+    is initialised again at the next update) instead of keeping this rank's.
+    """
+    updated = {key.rsplit('/', 1)[0] for key in state
+               if '/' in key and not key.endswith('/t')}
+    for path, param in optimizer.target.namedparams():
+        if param.update_rule is not None and path.lstrip('/') not in updated:
+            param.update_rule._state = None
+    optimizer.serialize(NpzDeserializer(state, strict=False))
+
+
 def shard(dataset, size: int, rank: int, seed: Optional[int]):
     """``rank``'s shard of ``dataset``, as ``chainermn.scatter_dataset`` with
     ``shuffle=seed is not None`` and ``seed`` makes it."""
@@ -355,7 +370,8 @@ class FaultTolerantTraining:
         broadcast of ``create_multi_node_optimizer`` (its model is already
         in sync)."""
         load_state(self.model, package['model'])
-        load_state(self.optimizer.actual_optimizer, package['optimizer'])
+        load_optimizer_state(self.optimizer.actual_optimizer,
+                             package['optimizer'])
         self.updater.iteration = int(package['iteration'])
         self.optimizer.lr = package['lr']
         iterator = self.updater.get_iterator('main')

@@ -273,8 +273,10 @@ def add_fault_tolerance_arguments(parser):
                        default=None,
                        help='make --inject-rank fail once: SIGKILL, SIGSTOP '
                             'or exit without MPI_Finalize')
-    group.add_argument('--inject-rank', type=int, default=1)
-    group.add_argument('--inject-iteration', type=int, default=None)
+    group.add_argument('--inject-rank', type=int, nargs='+', default=[1],
+                       help='one or more ranks, each failing once')
+    group.add_argument('--inject-iteration', type=int, nargs='+',
+                       default=None, help='one per --inject-rank, or one')
     group.add_argument('--inject-seconds', type=float, default=None,
                        help='fail this many seconds after training started')
     group.add_argument('--inject-spare-failure', type=float, default=None,
@@ -504,7 +506,7 @@ def train_fault_tolerant(args):
     if recovery.is_replacement():
         spare_watchdog = start_watchdog(-1, watchdog)
         pool = SparePool.join(spare_watchdog, events)
-        first_spare = (pool.generation == 1
+        first_spare = (pool.generation == 1 and pool.role == policy.SPARE
                        and pool.roles.index(policy.SPARE)
                        == pool.comm.Get_rank())
         takeover = pool.wait(args.inject_spare_failure if first_spare
@@ -602,10 +604,13 @@ def train_fault_tolerant(args):
             events.write('joined', iteration=updater.iteration)
 
     if args.inject_failure and package is None and restart == 0:
-        trainer.extend(injection.FailureInjector(
-            comm.rank, args.inject_rank, args.inject_failure,
-            args.inject_iteration, args.inject_seconds, events))
-    trainer.extend(_first_iteration_event(events), trigger=(1, 'iteration'))
+        for number, target in enumerate(args.inject_rank):
+            at = args.inject_iteration or [None]
+            trainer.extend(injection.FailureInjector(
+                comm.rank, target, args.inject_failure,
+                at[min(number, len(at) - 1)], args.inject_seconds, events),
+                name='FailureInjector{}'.format(number))
+    trainer.extend(_progress_events(events, comm))
     trainer.extend(_validation_event(events, comm), trigger=interval)
     try:
         trainer.run()
@@ -628,18 +633,26 @@ def snapshot_trigger(args):
     return (args.snapshot_interval, 'iteration')
 
 
-def _first_iteration_event(events):
-    """Records the first iteration done by this process (back in the loop)."""
+def _progress_events(events, comm):
+    """Records when this process enters the training loop, its first
+    iteration, and (rank 0, not forced to disk) every iteration."""
     done = []
 
+    def initialize(trainer):
+        events.write('loop_entered', iteration=trainer.updater.iteration)
+
     @training.make_extension(trigger=(1, 'iteration'),
-                             priority=training.PRIORITY_READER)
-    def first_iteration(trainer):
+                             priority=training.PRIORITY_READER,
+                             initializer=initialize)
+    def progress(trainer):
         if not done:
             done.append(True)
             events.write('first_iteration',
                          iteration=trainer.updater.iteration)
-    return first_iteration
+        elif comm.rank == 0:
+            events.write('iteration', iteration=trainer.updater.iteration,
+                         sync=False)
+    return progress
 
 
 def _parameters_digest(model):
