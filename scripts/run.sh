@@ -4,11 +4,13 @@
 #   bash scripts/run.sh demo    the benchmark demo on a generated dataset:
 #                               prints the comparison, writes figures
 #   bash scripts/run.sh test    the test suite
+#   bash scripts/run.sh lint    the linter (ruff, configured in pyproject.toml)
 #   bash scripts/run.sh setup   only the installation
 #
 # Installs Debian packages (FUSE) with apt-get when missing (needs root) and a
-# virtual environment in .venv with Chainer 7.8.1, which builds only with
-# setuptools<70 and --no-build-isolation.
+# virtual environment in .venv with the package and every extra but elastic
+# (requirements.txt), editable; Chainer 7.8.1 builds under constraints.txt.
+# Reinstalls when requirements.txt, constraints.txt or setup.py change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-}
@@ -29,13 +31,13 @@ setup() {
     fi
     # shellcheck disable=SC1091
     . .venv/bin/activate
-    if ! python -c 'import chainer_prefetch, chainer, mfusepy, matplotlib, pyarrow, petastorm' 2>/dev/null; then
+    local stamp=.venv/.installed wanted
+    wanted=$(cat requirements.txt constraints.txt setup.py | sha1sum)
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ] \
+            || ! python -c 'import chainer_prefetch, chainer_prefetch_bench' 2>/dev/null; then
         echo "installing Python packages into .venv"
-        pip install -q --upgrade pip
-        pip install -q -r requirements.txt
-        pip install -q --no-deps petastorm==0.13.1  # see requirements.txt
-        pip install -q --no-build-isolation chainer==7.8.1
-        pip install -q --no-build-isolation --no-deps -e .
+        PIP_CONSTRAINT=constraints.txt pip install -q -r requirements.txt -e '.[test]'
+        echo "$wanted" > "$stamp"
     fi
 }
 
@@ -45,16 +47,19 @@ setup
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 case "$what" in
     demo)
-        python scripts/bench_minibatch.py --quick --out results/demo/bench_minibatch.json
-        python scripts/plot_figures.py results/demo/bench_minibatch.json --out results/demo
+        python -m chainer_prefetch_bench.minibatch.bench --quick --out results/demo/bench_minibatch.json
+        python -m chainer_prefetch_bench.minibatch.plot results/demo/bench_minibatch.json --out results/demo
         ;;
     test)
         shift
         python -m pytest -q "$@"
         ;;
+    lint)
+        ruff check .
+        ;;
     setup) ;;
     *)
-        echo "usage: bash scripts/run.sh demo|test|setup" >&2
+        echo "usage: bash scripts/run.sh demo|test|lint|setup" >&2
         exit 2
         ;;
 esac

@@ -104,11 +104,11 @@ class FailingDataset:
 
 
 def run_mpi(command, cwd, timeout):
-    """Runs an MPI command line (see scripts/mpi_launch.py); returns its output.
+    """Runs an MPI command line (see testbed/mpi_launch.py); returns its output.
 
     Fails the test with the output's tail on a non-zero exit or a timeout.
     """
-    import mpi_launch  # scripts/ is importable in pytest (conftest.py) only
+    from chainer_prefetch_bench.testbed import mpi_launch
     returncode, output, timed_out = mpi_launch.run(command, timeout, cwd=cwd)
     assert not timed_out, 'timed out after {} s:\n{}'.format(
         timeout, output[-5000:])
@@ -207,13 +207,33 @@ def children(pid=None):
 
 
 def is_resource_tracker(pid):
+    """Whether ``pid`` is one of multiprocessing's long-lived helpers.
+
+    The resource tracker, and the fork server that starts loader processes
+    when the owner runs other threads.
+    """
     cmdline = _read('/proc/{}/cmdline'.format(pid), 'rb') or b''
-    return b'resource_tracker' in cmdline
+    return b'resource_tracker' in cmdline or b'forkserver' in cmdline
+
+
+def descendants(pid=None):
+    """Children, grandchildren... of ``pid`` (default: this process)."""
+    found, todo = set(), [os.getpid() if pid is None else pid]
+    while todo:
+        for child in children(todo.pop()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 def worker_children(pid=None):
-    """Children except multiprocessing's resource tracker (a long-lived helper)."""
-    return {child for child in children(pid) if not is_resource_tracker(child)}
+    """Descendants except multiprocessing's helpers (loader processes, in effect).
+
+    Loader processes started by the fork server are its children, not ours.
+    """
+    return {child for child in descendants(pid)
+            if not is_resource_tracker(child)}
 
 
 def is_running(pid):
@@ -245,13 +265,18 @@ def shm_segments():
 
 
 def mapped_segments(pid='self'):
-    """``/dev/shm/psm_*`` segments mapped into a process (other processes on
-    the machine may create their own, so only these are ours)."""
+    """Shared-memory segments mapped into a process: ``/dev/shm/psm_*`` paths
+    and anonymous ``memfd:`` segments (as ``memfd:<name>:<inode>``); other
+    processes on the machine may create their own, so only these are ours."""
     found = set()
     for line in (_read('/proc/{}/maps'.format(pid)) or '').splitlines():
         match = re.search(r'(/dev/shm/psm_\w+)', line)
         if match:
             found.add(match.group(1))
+        fields = line.split()
+        if len(fields) >= 6 and fields[5].startswith('/memfd:'):
+            found.add('memfd:{}:{}'.format(fields[5][len('/memfd:'):],
+                                           fields[4]))
     return found
 
 
@@ -259,7 +284,7 @@ class ResourceSnapshot:
     """What exists before an iterator starts: compare with :meth:`leftovers`."""
 
     def __init__(self):
-        self.children = children()
+        self.children = worker_children()
         self.threads = prefetch_threads()
         self.mapped_before = mapped_segments()
         self.ours = set()
@@ -270,8 +295,7 @@ class ResourceSnapshot:
         return self.ours
 
     def new_children(self):
-        return {pid for pid in children() - self.children
-                if not is_resource_tracker(pid)}
+        return worker_children() - self.children
 
     def leftovers(self):
         """(new child pids, new live prefetch threads, our shm segments left)."""
@@ -279,7 +303,8 @@ class ResourceSnapshot:
         return (self.new_children(),
                 sorted(t.name for t in prefetch_threads() - self.threads
                        if t.is_alive()),
-                sorted(still_mapped | {s for s in self.ours if os.path.exists(s)}))
+                sorted(still_mapped | {s for s in self.ours
+                                       if s.startswith('/') and os.path.exists(s)}))
 
     def assert_clean(self):
         pids, threads, segments = self.leftovers()

@@ -93,12 +93,22 @@ def _run_epochs(iterator, n_epochs):
     return iterator.stats
 
 
-def test_limit_smaller_than_the_largest_file_is_refused(dataset, tmp_path):
+def test_a_file_larger_than_the_whole_limit_is_read_from_the_source(
+        dataset, tmp_path):
+    """No file is sized up front (a stat of every file would cost minutes on
+    Lustre); one that cannot fit is simply never staged."""
     data, _, largest = dataset
-    with pytest.raises(ValueError, match='smaller than the largest file'):
-        _iterator(data, tmp_path, largest - 1, 'belady')
     with pytest.raises(ValueError, match='eviction_policy'):
         _iterator(data, tmp_path, largest, 'fifo')
+    iterator = _iterator(data, tmp_path, largest - 1, 'belady')
+    try:
+        with DirectoryWatcher(tmp_path) as watcher:
+            stats = _run_epochs(iterator, 2)
+    finally:
+        iterator.finalize()
+    watcher.check(largest - 1, largest - 1)
+    assert stats['items_too_large'] >= 1
+    assert stats['examples_from_source'] >= 2  # that example, both epochs
 
 
 @pytest.mark.parametrize('policy', ['belady', 'lru', 'fill_once'])
@@ -195,22 +205,60 @@ def test_ledger_is_recounted_by_the_first_user(tmp_path):
     third.close()
 
 
+def _load_in_this_process(original, located, local_root, entries):
+    """Runs the loader's code here, with its module state set and restored."""
+    from chainer_prefetch.iterators import _worker
+    names = ('_original_dataset', '_located_dataset', '_local_root',
+             '_dataset_files')
+    saved = [getattr(_worker, name) for name in names]
+    values = (original, located, os.path.join(local_root, ''), None)
+    for name, value in zip(names, values):
+        setattr(_worker, name, value)
+    try:
+        return _worker.load_examples(entries, None, 0)
+    finally:
+        for name, value in zip(names, saved):
+            setattr(_worker, name, value)
+
+
 def test_worker_reads_the_source_when_a_copy_vanished(dataset, tmp_path):
     """Another process may evict a copy between stage 2's check and the read."""
-    from chainer_prefetch.iterators import _worker
     from chainer_prefetch.staging.dataset_files import resolve_dataset_files
     data, _, _ = dataset
+    local_root = str(tmp_path / 'evicted')
     located = resolve_dataset_files(data).located(
-        lambda path: str(tmp_path / 'evicted' / os.path.basename(path)))
-    saved = _worker._original_dataset, _worker._located_dataset
-    _worker._original_dataset, _worker._located_dataset = data, located
-    try:
-        [((example, read_locally), error)] = _worker.load_examples(
-            [(3, True, None, None)], None)
-    finally:
-        _worker._original_dataset, _worker._located_dataset = saved
-    assert error is None and not read_locally
+        lambda path: os.path.join(local_root, os.path.basename(path)))
+    [(read_from, example, source_bytes)] = _load_in_this_process(
+        data, located, local_root, [(0, 3, True)])
+    assert read_from == 'fallback' and source_bytes == 0  # no files given
     assert_examples_equal([example], [data[3]])
+
+
+class _BrokenView:
+    """A located view whose transform has a bug (it counts its calls)."""
+
+    def __init__(self, calls, error):
+        self.calls = calls
+        self.error = error
+
+    def __getitem__(self, index):
+        self.calls.append(index)
+        raise self.error
+
+
+def test_worker_does_not_retry_an_error_that_is_not_about_a_local_copy(
+        dataset, tmp_path):
+    """A bug in a transform runs once and is reported; only a vanished local
+    copy (an OSError naming a file under the local directory) falls back."""
+    data, _, _ = dataset
+    local_root = str(tmp_path / 'local')
+    for error in (ValueError('bug in a transform'),
+                  FileNotFoundError(2, 'elsewhere', '/etc/no-such-file')):
+        calls = []
+        [(read_from, raised, traceback_text)] = _load_in_this_process(
+            data, _BrokenView(calls, error), local_root, [(0, 3, True)])
+        assert read_from is None and type(raised) is type(error)
+        assert calls == [3] and type(error).__name__ in traceback_text
 
 
 def test_a_filled_directory_is_reused_without_evictions(dataset, tmp_path):

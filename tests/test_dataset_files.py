@@ -6,9 +6,17 @@ import pickle
 import chainer
 import numpy
 import pytest
-from chainer.datasets import (ConcatenatedDataset, DictDataset, ImageDataset,
-                              LabeledImageDataset, SubDataset, TransformDataset,
-                              TupleDataset, split_dataset, split_dataset_random)
+from chainer.datasets import (
+    ConcatenatedDataset,
+    DictDataset,
+    ImageDataset,
+    LabeledImageDataset,
+    SubDataset,
+    TransformDataset,
+    TupleDataset,
+    split_dataset,
+    split_dataset_random,
+)
 from PIL import Image
 
 from chainer_prefetch import resolve_dataset_files

@@ -1,9 +1,17 @@
-"""Eviction policies of a capacity-limited local directory, as pure functions."""
+"""Eviction policies of a capacity-limited local store, and future uses: pure code."""
 import numpy
 import pytest
 
-from chainer_prefetch.staging.eviction import (NEVER, FutureUses, ResidentSet,
-                                               next_use, simulate)
+from chainer_prefetch.policy import (
+    NEVER,
+    STRATEGIES,
+    FutureUses,
+    NextEpochCache,
+    make_strategy,
+    register,
+    simulate,
+)
+from chainer_prefetch.policy.eviction import EvictionStrategy, next_use
 
 UNIT = {item: 1 for item in 'abcde'}
 
@@ -49,11 +57,28 @@ def test_sizes_are_respected():
     assert sum(hits) == 1
 
 
-def test_capacity_smaller_than_a_file_is_refused():
-    with pytest.raises(ValueError, match='largest file'):
-        simulate('ab', {'a': 5, 'b': 1}, 4, 'belady')
-    with pytest.raises(ValueError, match='unknown eviction policy'):
+def test_an_item_larger_than_the_capacity_is_never_stored():
+    hits = simulate('abab', {'a': 5, 'b': 1}, 4, 'belady')
+    assert hits == [False, False, False, True]
+    with pytest.raises(ValueError, match='unknown eviction policy.*belady'):
         simulate('ab', UNIT, 4, 'fifo')
+
+
+def test_strategies_come_from_a_registry():
+    assert set(STRATEGIES) >= {'belady', 'lru', 'fill_once'}
+
+    @register
+    class MostRecentlyUsed(EvictionStrategy):
+        name = 'test_mru'
+
+        def _rank_for(self, now, next_use):
+            return now
+
+    try:
+        hits = simulate('abcabc', UNIT, 2, 'test_mru')
+        assert hits == [False, False, False, True, False, True]
+    finally:
+        del STRATEGIES['test_mru']
 
 
 def _random_epochs(n_items, n_epochs, seed=0):
@@ -85,7 +110,7 @@ def test_random_epochs_local_share(fraction):
 
 
 def test_resident_set_belady_offers_the_farthest_and_bypasses():
-    resident = ResidentSet('belady')
+    resident = make_strategy('belady')
     resident.use('a', now=0, next_use=10)
     resident.use('b', now=1, next_use=5)
     resident.use('c', now=2, next_use=NEVER)
@@ -99,18 +124,18 @@ def test_resident_set_belady_offers_the_farthest_and_bypasses():
 
 
 def test_resident_set_lru_and_fill_once():
-    lru = ResidentSet('lru')
+    lru = make_strategy('lru')
     for now, item in enumerate('abc'):
         lru.use(item, now=now, next_use=NEVER)
     lru.use('a', now=3, next_use=NEVER)
     assert lru.victim(incoming_next_use=0) == 'b'
-    fill_once = ResidentSet('fill_once')
+    fill_once = make_strategy('fill_once')
     fill_once.use('a', now=0, next_use=1)
     assert fill_once.victim(incoming_next_use=100) is None
 
 
 def test_resident_set_forget_next_uses_makes_everything_evictable():
-    resident = ResidentSet('belady')
+    resident = make_strategy('belady')
     resident.use('a', now=0, next_use=2)
     assert resident.victim(incoming_next_use=5) is None
     resident.forget_next_uses()
@@ -133,3 +158,54 @@ def test_future_uses_across_the_epoch_boundary():
     future.add_epoch(3, [0, 1, 2, 3])
     future.add_epoch(4, [0, 1, 2, 3])
     assert future.following_use(0, after=0) == NEVER  # epoch 0 forgotten
+
+
+def test_future_uses_of_items_shared_by_examples():
+    # Examples 0-2 read item 0, examples 3-5 item 1 (say two row groups).
+    future = FutureUses(epoch_size=6, item_of=numpy.array([0, 0, 0, 1, 1, 1]))
+    future.add_epoch(0, [3, 0, 4, 1, 5, 2])
+    future.add_epoch(1, [0, 1, 2, 3, 4, 5])
+    assert future.following_use(0, after=1) == 3
+    assert future.following_use(0, after=5) == 6  # epoch 1, position 0
+    assert future.following_use(1, after=4) == 6 + 3
+
+
+def test_future_uses_of_an_order_with_repeats():
+    future = FutureUses(epoch_size=4)
+    future.add_epoch(0, [1, 1, 0, 1])  # a sampler may repeat indices
+    assert future.following_use(1, after=0) == 1
+    assert future.following_use(1, after=1) == 3
+    assert future.following_use(0, after=2) == NEVER
+
+
+@pytest.mark.parametrize('policy', ['belady', 'lru'])
+def test_bookkeeping_is_bounded_by_what_is_stored_over_100_epochs(policy):
+    """Memory follows the stored items, not the accesses (500 of 1,000 stored)."""
+    n_items, capacity = 1000, 500
+    strategy = make_strategy(policy)
+    future = FutureUses(epoch_size=n_items)
+    cache = NextEpochCache(max_examples=50)
+    random = numpy.random.RandomState(0)
+    orders = [random.permutation(n_items) for _ in range(101)]
+    future.add_epoch(0, orders[0])
+    for epoch in range(100):
+        future.add_epoch(epoch + 1, orders[epoch + 1])
+        cache.plan(epoch + 1, orders[epoch + 1])
+        cache.forget_before(epoch)
+        for position, item in enumerate(orders[epoch]):
+            item = int(item)
+            now = epoch * n_items + position
+            following = future.following_use(item, now)
+            cache.take(item, epoch)
+            cache.offer(item, epoch + 1, object(), 1)
+            if item not in strategy:
+                if len(strategy) == capacity:
+                    victim = strategy.victim(now)
+                    if victim is None:
+                        continue
+                    strategy.remove(victim)
+            strategy.use(item, now, following)
+        assert len(strategy) <= capacity
+        assert strategy.heap_size <= 2 * len(strategy) + 64
+        assert cache.heap_size <= 2 * 50 + 64
+        assert len(future._epochs) <= 3

@@ -7,15 +7,19 @@ falls within three epochs whatever the random crops and initialisation.
 """
 import json
 import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
 
 import helpers
-import make_dataset
-import mpi_launch
+from chainer_prefetch_bench.testbed import jpeg_dataset as make_dataset
+from chainer_prefetch_bench.testbed import mpi_launch
 
 TIMEOUT = 300
+EXAMPLE = os.path.join(mpi_launch.REPO, 'examples', 'imagenet')
 
 
 def _train(tmp_path, train_list, val_list, root, *options):
@@ -109,7 +113,7 @@ def test_train_with_a_capacity_limit_and_the_next_epoch_cache(tmp_path):
         tmp_path, train_list, val_list, str(data), '--epoch', '3',
         '--iterator', 'prefetch', '--local-dir', str(local),
         '--copy-threads', '2', '--local-capacity', str(limit),
-        '--next-epoch-cache', '8')
+        '--next-epoch-cache', '8', '--time-breakdown')
     _check_learns(log, output)
     staged = sum(os.path.getsize(os.path.join(folder, name))
                  for folder, _, names in os.walk(str(local / 'data'))
@@ -125,13 +129,70 @@ def test_train_with_a_capacity_limit_and_the_next_epoch_cache(tmp_path):
     assert evicted > 0 and cached > 0
 
 
-def test_sizes_are_parsed_with_units(monkeypatch):
-    monkeypatch.syspath_prepend(os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        'examples', 'imagenet'))
-    import train_imagenet
-    assert train_imagenet.parse_bytes('200G') == 200 * 2 ** 30
-    assert train_imagenet.parse_bytes('1.5m') == int(1.5 * 2 ** 20)
-    assert train_imagenet.parse_bytes('4096') == 4096
-    with pytest.raises(Exception, match='not a size'):
-        train_imagenet.parse_bytes('lots')
+def _in_example(code):
+    """Run ``code`` with the example's folder as the working directory.
+
+    ``python -c`` imports from its working directory, as ``python
+    train_imagenet.py`` does from the script's folder.
+    """
+    result = subprocess.run([sys.executable, '-c', textwrap.dedent(code)],
+                            cwd=EXAMPLE, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_sizes_are_parsed_with_units():
+    output = _in_example('''
+        import train_imagenet
+        assert train_imagenet.parse_bytes('200G') == 200 * 2 ** 30
+        assert train_imagenet.parse_bytes('1.5m') == int(1.5 * 2 ** 20)
+        assert train_imagenet.parse_bytes('4096') == 4096
+        try:
+            train_imagenet.parse_bytes('lots')
+        except Exception as error:
+            print('refused:', error)
+        ''')
+    assert "refused: not a size: 'LOTS'" in output
+
+
+def test_default_loaderjob_is_the_share_of_the_cores():
+    output = _in_example('''
+        from node_resources import default_loaderjob
+        shared = set(range(16))
+        # 8 ranks free to use all 16 cores: 2 each, not 16 each.
+        print(default_loaderjob(shared, [shared] * 8))
+        # Each rank bound to its own 4 cores: all 4.
+        own = [set(range(4 * r, 4 * r + 4)) for r in range(4)]
+        print(default_loaderjob(own[1], own))
+        # More ranks than cores: still one loader.
+        print(default_loaderjob({0, 1}, [{0, 1}] * 4))
+        # Two pairs of ranks, each pair bound to one socket of 8 cores.
+        sockets = [set(range(8))] * 2 + [set(range(8, 16))] * 2
+        print(default_loaderjob(sockets[2], sockets))
+        ''')
+    assert output.split() == ['2', '4', '1', '4']
+
+
+@pytest.mark.slow
+def test_defaults_share_the_cores_and_leave_the_run_uninstrumented(tmp_path):
+    """No --loaderjob, no --time-breakdown; --pinned-copy passes through on the CPU."""
+    data = tmp_path / 'data'
+    train_list, val_list = helpers.make_colour_dataset(str(data))
+    out = tmp_path / 'out'
+    output = helpers.run_mpi(mpi_launch.train_command(2, [
+        train_list, val_list, '--root', str(data), '--out', str(out),
+        '--arch', 'tiny', '--crop-size', '32', '--batchsize', '8',
+        '--val_batchsize', '16', '--epoch', '3', '--pinned-copy',
+        '--local-dir', str(tmp_path / 'local'), '--copy-threads', '2']),
+        str(tmp_path), TIMEOUT)
+    with open(str(out / 'log')) as f:
+        log = json.load(f)
+    _check_learns(log, output)
+    cpus = len(os.sched_getaffinity(0))  # mpi_launch binds to no core
+    expected = max(1, cpus // 2)
+    assert ('Loader processes per rank: {} (default; {} CPUs available to '
+            'rank 0, 2 ranks on its node)'.format(expected, cpus)) in output
+    assert 'Pinned copy: pass-through (CPU device: nothing to copy)' in output
+    assert not list(out.glob('time_breakdown_rank*.json'))
+    assert not any(key.startswith('time/') for key in log[0])

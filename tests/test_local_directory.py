@@ -17,12 +17,13 @@ import time
 
 import pytest
 
-from chainer_prefetch.staging import local_directory
-from chainer_prefetch.staging.local_directory import (LocalDirectory,
-                                                       LocalStorageError,
-                                                       SourceFileError)
-
 import helpers
+from chainer_prefetch.staging import local_directory, sources
+from chainer_prefetch.staging.local_directory import (
+    LocalDirectory,
+    LocalStorageError,
+    SourceFileError,
+)
 
 MB = 1 << 20
 FORK = multiprocessing.get_context('fork')
@@ -51,7 +52,7 @@ def test_copy_is_identical_and_stamped_then_skipped(tmp_path):
     local = directory.local_path(source)
     assert helpers.read_bytes(local) == data
     assert os.stat(local).st_mtime_ns == os.stat(source).st_mtime_ns
-    assert directory.is_valid(source, os.stat(source))
+    assert directory.is_current(source, os.stat(source))
     # Second time: nothing copied.
     assert directory.stage(source) == 0
     assert os.listdir(directory.partial_root) == []
@@ -66,7 +67,7 @@ def test_changed_size_or_mtime_copies_again(tmp_path):
     # Same size, new content and mtime.
     data = helpers.write_random_file(source, 10000, seed=2)
     os.utime(source, ns=(1, os.stat(source).st_mtime_ns + 10 ** 9))
-    assert not directory.is_valid(source, os.stat(source))
+    assert not directory.is_current(source, os.stat(source))
     assert directory.stage(source) == 10000
     assert helpers.read_bytes(directory.local_path(source)) == data
 
@@ -107,19 +108,19 @@ def test_source_vanishing_after_stat_leaves_nothing(tmp_path):
 
 def _slow_copy_child(root, source, started_writer):
     """Child: stages ``source`` in 64 KiB chunks, announcing the first chunk."""
-    local_directory._COPY_CHUNK_BYTES = 64 * 1024
-    real_write = os.write
+    sources._SENDFILE_BYTES = 64 * 1024
+    real_sendfile = os.sendfile
     state = {'announced': False}
 
-    def slow_write(fd, data):
-        written = real_write(fd, data)
-        if not state['announced'] and fd != started_writer.fileno():
+    def slow_sendfile(out_fd, in_fd, offset, count):
+        sent = real_sendfile(out_fd, in_fd, offset, count)
+        if not state['announced']:
             state['announced'] = True
             started_writer.send('writing')
         time.sleep(0.05)
-        return written
+        return sent
 
-    os.write = slow_write
+    os.sendfile = slow_sendfile
     LocalDirectory(root).stage(source)
     os._exit(0)
 
@@ -192,7 +193,7 @@ def test_part_locked_by_a_live_process_is_kept_at_start_up(tmp_path):
 
 def _stage_after_announcing(directory, source, marker, go_reader, result_writer):
     """Child: a rank that copies ``source`` once told to go."""
-    original_fill = LocalDirectory._fill
+    original_fill = sources.PlainFile.write_local
 
     def fill(self, *args):
         with open(marker, 'w'):
@@ -206,7 +207,7 @@ def _stage_after_announcing(directory, source, marker, go_reader, result_writer)
         result_writer.send('locking')  # about to try the part's lock
         return original_lock(self, *args)
 
-    LocalDirectory._fill = fill
+    sources.PlainFile.write_local = fill
     LocalDirectory._lock = lock
     try:
         go_reader.recv()
@@ -398,7 +399,7 @@ def test_symlink_at_the_final_name_is_replaced_not_followed(tmp_path):
     os.makedirs(os.path.dirname(local))
     os.symlink(victim, local)
 
-    assert not directory.is_valid(source, source_stat)
+    assert not directory.is_current(source, source_stat)
     assert directory.stage(source) == len(data)
     assert not os.path.islink(local)
     assert stat.S_ISREG(os.lstat(local).st_mode)

@@ -6,7 +6,7 @@ from chainer.iterators import MultiprocessIterator, _statemachine
 from chainer.iterators.order_samplers import ShuffleOrderSampler
 
 from chainer_prefetch import PrefetchMultiprocessIterator
-from chainer_prefetch.iterators import _lookahead
+from chainer_prefetch.policy import lookahead as _lookahead
 
 
 class RecordingSampler:

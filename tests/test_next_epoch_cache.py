@@ -8,7 +8,7 @@ from chainer.datasets import LabeledImageDataset
 from chainer.iterators.order_samplers import ShuffleOrderSampler
 
 from chainer_prefetch import PrefetchMultiprocessIterator
-from chainer_prefetch.iterators._next_epoch_cache import NextEpochCache
+from chainer_prefetch.policy.next_epoch_cache import NextEpochCache
 from helpers import assert_examples_equal, make_jpeg_dataset
 
 

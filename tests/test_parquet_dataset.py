@@ -10,10 +10,14 @@ import pyarrow.parquet
 import pytest
 from PIL import Image
 
-import make_parquet_dataset
-from chainer_prefetch.datasets import (ParquetColumnError, ParquetDataset,
-                                       ParquetFileError, ParquetSchemaError,
-                                       RowGroupWindowOrderSampler)
+from chainer_prefetch.datasets import (
+    ParquetColumnError,
+    ParquetDataset,
+    ParquetFileError,
+    ParquetSchemaError,
+    RowGroupWindowOrderSampler,
+)
+from chainer_prefetch_bench.testbed import parquet_dataset as make_parquet_dataset
 
 ROWS, FILES, ROW_GROUP_ROWS = 90, 3, 10  # files of 30 rows: 10 + 10 + 10
 

@@ -8,11 +8,10 @@ import pyarrow.ipc
 import pyarrow.parquet
 import pytest
 
-import make_parquet_dataset
 from chainer_prefetch import PrefetchMultiprocessIterator
-from chainer_prefetch.datasets import (ParquetDataset, RowGroupFile,
-                                       RowGroupWindowOrderSampler)
-from chainer_prefetch.staging import LocalDirectory, SourceFileError
+from chainer_prefetch.datasets import ParquetDataset, RowGroupFile, RowGroupWindowOrderSampler
+from chainer_prefetch.staging import LocalDirectory, SourceFileError, resolve_dataset_files
+from chainer_prefetch_bench.testbed import parquet_dataset as make_parquet_dataset
 
 ROWS, FILES, ROW_GROUP_ROWS = 120, 3, 10  # 12 row groups
 
@@ -109,66 +108,115 @@ def test_two_processes_make_a_row_group_once(shop, tmp_path):
     assert copied[0] == 0 and copied[1] > 0
 
 
-def test_the_located_view_reads_the_source_when_a_local_file_is_gone(
-        shop, tmp_path):
+def test_the_located_view_names_a_local_file_that_is_gone(shop, tmp_path):
+    """The loader falls back to the source, and counts it, on this error."""
     directory = LocalDirectory(str(tmp_path / 'local'))
-    dataset = ParquetDataset(shop, columns=['id'], local_row_groups=None)
+    dataset = ParquetDataset(shop, columns=['id'])
     view = dataset.with_file_locations(directory.local_path)
     (derived,) = dataset.example_files(15)
     directory.stage(derived)
     assert view[15]['id'] == 15
     os.unlink(directory.local_path(derived))
     view._cache.clear()
-    assert view[15]['id'] == 15
+    with pytest.raises(FileNotFoundError) as info:
+        view[15]
+    assert info.value.filename == directory.local_path(derived)
 
 
-def _one_epoch(dataset, local_root, seed, window):
+def test_rows_of_a_row_group_form_one_item(shop):
+    dataset = ParquetDataset(shop, columns=['id'])
+    groups = dataset.example_file_groups()
+    assert len(groups) == ROWS
+    assert list(groups[:ROW_GROUP_ROWS + 1]) == [0] * ROW_GROUP_ROWS + [1]
+    files = resolve_dataset_files(dataset)
+    assert list(files.item_of()) == list(groups)
+    assert files.files(3) == files.files(7) != files.files(10)
+
+
+def test_a_row_group_reports_its_sizes_from_the_footer(shop):
+    derived = RowGroupFile(_part(shop), 1, ('id', 'image'))
+    origin_stat = derived.stat_origin()
+    compressed = derived.source_bytes(origin_stat)
+    assert 0 < compressed < origin_stat.st_size
+    assert derived.source_bytes_per_example(origin_stat) == \
+        compressed // ROW_GROUP_ROWS
+    table = pyarrow.parquet.ParquetFile(_part(shop)).read_row_group(
+        1, columns=['id', 'image'])
+    assert derived.estimated_local_bytes(origin_stat) >= table.nbytes
+
+
+def _one_epoch(dataset, local_root, seed, window, capacity=None):
     """Runs one epoch (repeat=False); returns the ids and the iterator's stats."""
     sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes,
                                          window=window, seed=seed)
     iterator = PrefetchMultiprocessIterator(
         dataset, 10, repeat=False, n_processes=2, order_sampler=sampler,
-        local_dir=local_root, n_copy_threads=4, n_copy_ahead=2)
+        local_dir=local_root, n_copy_threads=4, n_copy_ahead=2,
+        local_capacity=capacity)
     ids = []
     try:
         for batch in iterator:
             batch_ids = [example['id'] for example in batch]
             assert len(set(batch_ids)) == len(batch_ids)
             ids.extend(batch_ids)
-            assert len(_arrow_files(local_root)) <= dataset._recent.capacity
+            if capacity is not None:
+                assert _bytes(_arrow_files(local_root)) <= capacity
         return ids, iterator.stats
     finally:
         iterator.finalize()
 
 
+def _bytes(paths):
+    """Bytes of the files still there (the store may evict one meanwhile)."""
+    total = 0
+    for path in paths:
+        try:
+            total += os.path.getsize(path)
+        except FileNotFoundError:
+            pass
+    return total
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_iterator_stages_each_row_group_once_per_epoch_and_drops_old_ones(
+def test_row_groups_live_under_the_capacity_limit_each_read_once_per_epoch(
         shop, tmp_path):
     window = 2
-    dataset = ParquetDataset(shop, columns=['id', 'image'],
-                             local_row_groups=2 * window + 2)
+    dataset = ParquetDataset(shop, columns=['id', 'image'])
     n_groups = len(dataset.row_group_sizes)
-    local_root = str(tmp_path / 'local')
-
-    ids, stats = _one_epoch(dataset, local_root, seed=4, window=window)
+    # Unlimited: every row group staged once; their local sizes.
+    unlimited = str(tmp_path / 'unlimited')
+    ids, stats = _one_epoch(dataset, unlimited, seed=4, window=window)
     assert sorted(ids) == list(range(ROWS))
-    # Every row group read from the shared files exactly once, and dropped
-    # when its window had passed, except the last ones still in use.
     assert stats['files_copied'] == n_groups
-    assert stats['examples_from_local'] == ROWS
-    assert dataset.dropped_local_row_groups == n_groups - (2 * window + 2)
-
-    ids, stats = _one_epoch(dataset, local_root, seed=5, window=window)
-    assert sorted(ids) == list(range(ROWS))
-    # The second epoch reuses what the first left behind, at most.
-    assert n_groups - (2 * window + 2) <= stats['files_copied'] <= n_groups
-    assert stats['examples_from_local'] == ROWS
-
-
-def test_a_capacity_limit_is_refused_for_row_groups(shop, tmp_path):
-    dataset = ParquetDataset(shop, columns=['id'])
-    with pytest.raises(ValueError, match='local_row_groups'):
-        PrefetchMultiprocessIterator(dataset, 10, n_processes=1,
-                                     local_dir=str(tmp_path / 'local'),
-                                     local_capacity=10 ** 9)
+    sizes = [os.path.getsize(path) for path in _arrow_files(unlimited)]
+    assert len(sizes) == n_groups
+    assert stats['local_bytes_written'] == sum(sizes)
+    assert stats['bytes_copied'] < sum(sizes)  # compressed reads, decoded files
+    # Room for half of them, two epochs: still each row group read once per
+    # epoch, every row from a local file, the limit never exceeded, old
+    # ones evicted.
+    capacity = (n_groups // 2) * max(sizes)
+    local_root = str(tmp_path / 'local')
+    sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes,
+                                         window=window, seed=5)
+    iterator = PrefetchMultiprocessIterator(
+        dataset, 10, n_processes=2, order_sampler=sampler,
+        local_dir=local_root, n_copy_threads=4, n_copy_ahead=2,
+        local_capacity=capacity)
+    try:
+        ids = []
+        while iterator.epoch < 2:
+            ids.extend(example['id'] for example in iterator.next())
+            assert _bytes(_arrow_files(local_root)) <= capacity
+        stats = iterator.stats
+    finally:
+        iterator.finalize()
+    assert sorted(ids[:ROWS]) == sorted(ids[ROWS:]) == list(range(ROWS))
+    assert stats['local_bytes_used'] <= capacity
+    assert stats['files_evicted'] >= n_groups // 2
+    for epoch in (0, 1):
+        counts = stats['by_epoch'][epoch]
+        assert counts['examples_from_local'] == ROWS, stats
+    # Copied once in epoch 0; epoch 1 reuses what fits (about half).
+    assert stats['files_copied'] <= 2 * n_groups - (n_groups // 2 - 2)

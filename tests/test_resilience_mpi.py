@@ -12,9 +12,8 @@ import time
 import pytest
 
 import helpers
-import mpi_launch
-
 from chainer_prefetch.resilience.injection import read_events
+from chainer_prefetch_bench.testbed import mpi_launch
 from test_resilience_policy import processes_with
 
 pytestmark = pytest.mark.slow

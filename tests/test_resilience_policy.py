@@ -8,15 +8,17 @@ import time
 
 import numpy
 import pytest
-
 from chainermn.datasets.scatter import scatter_index
 
+import helpers
 from chainer_prefetch.resilience import launcher, policy
 from chainer_prefetch.resilience.injection import (
-    EventLog, FailureInjector, injection_due, read_events)
+    EventLog,
+    FailureInjector,
+    injection_due,
+    read_events,
+)
 from chainer_prefetch.resilience.watchdog import decide
-
-import helpers
 
 
 class _SizeRank:

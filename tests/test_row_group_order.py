@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 from chainer import serializers
 
-from chainer_prefetch.datasets import (RowGroupWindowOrderSampler,
-                                       row_groups_per_batch)
+from chainer_prefetch.datasets import RowGroupWindowOrderSampler, row_groups_per_batch
 from chainer_prefetch.datasets.row_group_order import row_group_of_rows
 
 SIZES = [7, 0, 10, 10, 3, 10, 1, 10, 9]

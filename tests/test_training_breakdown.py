@@ -15,7 +15,7 @@ import sys
 import pytest
 
 import helpers
-import mpi_launch
+from chainer_prefetch_bench.testbed import mpi_launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, 'examples', 'imagenet')
@@ -54,7 +54,7 @@ def test_breakdown_two_ranks_prefetch(tmp_path):
                    train_list, val_list, '--root', data,
                    '--out', str(out), '--arch', 'tiny', '--crop-size', '32',
                    '--batchsize', '4', '--val_batchsize', '8',
-                   '--loaderjob', '1', '--epoch', '2',
+                   '--loaderjob', '1', '--epoch', '2', '--time-breakdown',
                    '--iterator', 'prefetch',
                    '--local-dir', str(tmp_path / 'local'),
                    '--copy-threads', '2']), tmp_path)

@@ -1,6 +1,22 @@
 """Datasets: Parquet files read row group by row group, and their order sampler."""
-from chainer_prefetch.datasets.parquet import (  # NOQA
-    ParquetColumnError, ParquetDataset, ParquetFileError, ParquetSchemaError,
-    RowGroupFile, find_parquet_files, read_row_group)
-from chainer_prefetch.datasets.row_group_order import (  # NOQA
-    RowGroupWindowOrderSampler, row_groups_per_batch)
+from chainer_prefetch._extras import require_extra
+
+require_extra('parquet', 'chainer_prefetch.datasets', ['pyarrow'])
+
+from chainer_prefetch.datasets.parquet import (  # noqa: E402
+    ParquetColumnError,
+    ParquetDataset,
+    ParquetFileError,
+    ParquetSchemaError,
+    RowGroupFile,
+    find_parquet_files,
+    read_row_group,
+)
+from chainer_prefetch.datasets.row_group_order import (  # noqa: E402
+    RowGroupWindowOrderSampler,
+    row_groups_per_batch,
+)
+
+__all__ = ['ParquetColumnError', 'ParquetDataset', 'ParquetFileError',
+           'ParquetSchemaError', 'RowGroupFile', 'RowGroupWindowOrderSampler',
+           'find_parquet_files', 'read_row_group', 'row_groups_per_batch']

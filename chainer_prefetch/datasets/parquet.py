@@ -17,13 +17,15 @@ each process keeps at most ``cache_row_groups`` row groups.
 
 **Staged through** :class:`~chainer_prefetch.PrefetchMultiprocessIterator`,
 example ``i`` names one *derived file* (see
-:mod:`chainer_prefetch.staging.derived_files`): the row group that holds it,
-with the selected columns, as an uncompressed Arrow IPC file.  Stage 2 reads
-each row group from shared storage once, decodes it once and writes the IPC
-file into the local directory; the worker processes memory-map it, so they
-share one copy in the page cache and decompress nothing.  The dataset drops
-the local files of row groups it has not needed for a while: it keeps the
-``local_row_groups`` most recently needed ones (see :class:`ParquetDataset`).
+:mod:`chainer_prefetch.staging.sources`): the row group that holds it, with
+the selected columns, as an uncompressed Arrow IPC file.  Stage 2 reads each
+row group from shared storage once, decodes it once and writes the IPC file
+into the local directory; the worker processes memory-map it, so they share
+one copy in the page cache and decompress nothing.  The rows of a row group
+are one item of the local store (``example_file_groups``): it is staged and
+evicted as one, and the iterator's ``local_capacity`` bounds the local files
+like any others (the budget is reserved from the row group's uncompressed
+size in the footer and settled with the real size).
 
 With any other iterator (e.g. Chainer's ``MultiprocessIterator``) each process
 reads the Parquet files directly, with its own bounded cache.
@@ -31,12 +33,11 @@ reads the Parquet files directly, with its own bounded cache.
 import bisect
 import collections
 import contextlib
+import errno
 import glob
 import hashlib
 import os
-import threading
-from typing import (Any, Callable, Dict, Iterable, List, Optional, Sequence,
-                    Tuple, Union)
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy
 import pyarrow
@@ -44,24 +45,10 @@ import pyarrow.ipc
 import pyarrow.parquet
 from chainer.dataset import DatasetMixin
 
-from chainer_prefetch.staging.derived_files import DerivedFile
+from chainer_prefetch.errors import ParquetColumnError, ParquetFileError, ParquetSchemaError
+from chainer_prefetch.staging.sources import DerivedFile
 
 Paths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
-
-
-class ParquetColumnError(KeyError):
-    """A requested column is not in the files (the message lists those that are)."""
-
-    def __str__(self):
-        return str(self.args[0])
-
-
-class ParquetSchemaError(ValueError):
-    """Two files of one dataset have different schemas (the message names both)."""
-
-
-class ParquetFileError(OSError):
-    """A Parquet file is missing, truncated or corrupt (the message names it)."""
 
 
 class RowGroupFile(DerivedFile):
@@ -75,17 +62,41 @@ class RowGroupFile(DerivedFile):
         columns: The columns to keep.
     """
 
-    def __new__(cls, origin: str, row_group: int, columns: Sequence[str]):
+    def __init__(self, origin: str, row_group: int, columns: Sequence[str],
+                 metadata=None):
         digest = hashlib.sha1('\0'.join(columns).encode('utf-8')).hexdigest()
-        derived = super().__new__(
-            cls, '{}.rg{:05d}.{}.arrow'.format(origin, row_group, digest[:8]),
-            origin)
-        derived.row_group = row_group
-        derived.columns = tuple(columns)
-        return derived
+        super().__init__('{}.rg{:05d}.{}.arrow'.format(origin, row_group,
+                                                      digest[:8]), origin)
+        self.row_group = row_group
+        self.columns = tuple(columns)
+        self._metadata = metadata
 
     def __reduce__(self):
-        return type(self), (self.origin, self.row_group, self.columns)
+        return type(self), (self.origin, self.row_group, self.columns,
+                            self._metadata)
+
+    def _column_chunks(self):
+        metadata = self._metadata
+        if metadata is None:
+            metadata = self._metadata = _read_metadata(self.origin)
+        group = metadata.row_group(self.row_group)
+        wanted = set(self.columns)
+        return group, [group.column(i) for i in range(group.num_columns)
+                       if group.column(i).path_in_schema.split('.')[0] in wanted]
+
+    def estimated_local_bytes(self, origin_stat) -> int:
+        """The columns' uncompressed size in the footer (plus room for the IPC framing)."""
+        _, chunks = self._column_chunks()
+        return sum(chunk.total_uncompressed_size for chunk in chunks) + 4096
+
+    def source_bytes(self, origin_stat) -> int:
+        """The columns' compressed size: what reading the row group transfers."""
+        _, chunks = self._column_chunks()
+        return sum(chunk.total_compressed_size for chunk in chunks)
+
+    def source_bytes_per_example(self, origin_stat) -> int:
+        group, _ = self._column_chunks()
+        return self.source_bytes(origin_stat) // max(1, group.num_rows)
 
     def load_from_origin(self) -> pyarrow.Table:
         """Reads and decodes the row group from the Parquet file."""
@@ -165,37 +176,6 @@ def _files_under(directory: str) -> Iterable[str]:
                 yield os.path.abspath(os.path.join(parent, name))
 
 
-class _RecentRowGroups:
-    """The row groups needed most recently; drops the local files of the others.
-
-    Shared (not copied) by a dataset and its located views, in the process
-    that runs stage 2.
-    """
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.locate: Optional[Callable[[str], str]] = None
-        self.dropped = 0
-        self._recent: 'collections.OrderedDict[str, None]' = (
-            collections.OrderedDict())
-        self._lock = threading.Lock()
-
-    def touch(self, derived: DerivedFile) -> None:
-        with self._lock:
-            self._recent[derived] = None
-            self._recent.move_to_end(derived)
-            if self.locate is None or len(self._recent) <= self.capacity:
-                return
-            oldest, _ = self._recent.popitem(last=False)
-            locate = self.locate
-        try:
-            os.unlink(locate(oldest))
-            with self._lock:
-                self.dropped += 1
-        except FileNotFoundError:
-            pass
-
-
 class ParquetDataset(DatasetMixin):
     """Rows of Parquet files as examples.
 
@@ -212,12 +192,10 @@ class ParquetDataset(DatasetMixin):
             directly from the Parquet files with the
             :class:`~chainer_prefetch.datasets.RowGroupWindowOrderSampler`,
             use at least its ``window``: a smaller cache re-reads row groups.
-        local_row_groups: When staged by ``PrefetchMultiprocessIterator``:
-            how many of the most recently needed row groups keep their local
-            file; older ones are deleted.  Use at least ``2 * window + 2``
-            so that a window's files outlive the copy-ahead distance.
-            ``None`` keeps everything (the local directory then grows to
-            the decoded size of the dataset).
+
+    Staged by ``PrefetchMultiprocessIterator``, the local row-group files are
+    bounded by the iterator's ``local_capacity`` (without it they grow to
+    the decoded size of the dataset).
 
     Raises:
         ParquetFileError: a file is missing, truncated or corrupt.
@@ -228,8 +206,7 @@ class ParquetDataset(DatasetMixin):
     def __init__(self, paths: Paths, columns: Optional[Sequence[str]] = None,
                  as_tuple: bool = False,
                  transform: Optional[Callable[[Any], Any]] = None,
-                 cache_row_groups: int = 4,
-                 local_row_groups: Optional[int] = 16):
+                 cache_row_groups: int = 4):
         self.files = find_parquet_files(paths)
         if not self.files:
             raise ParquetFileError('no Parquet files in {}'.format(paths))
@@ -251,19 +228,12 @@ class ParquetDataset(DatasetMixin):
                                 numpy.cumsum(self.row_group_sizes)]
         self._row_group_files = {}
         self._locate: Optional[Callable[[str], str]] = None
-        self._recent = (None if local_row_groups is None
-                        else _RecentRowGroups(int(local_row_groups)))
         self._cache = collections.OrderedDict()
 
     @property
     def column_types(self) -> Dict[str, pyarrow.DataType]:
         """The Arrow type of each selected column."""
         return {name: self.schema.field(name).type for name in self.columns}
-
-    @property
-    def dropped_local_row_groups(self) -> int:
-        """Local row-group files deleted after their window passed."""
-        return 0 if self._recent is None else self._recent.dropped
 
     def __len__(self) -> int:
         return self._row_group_ends[-1] if self._row_group_ends else 0
@@ -299,17 +269,21 @@ class ParquetDataset(DatasetMixin):
     def example_files(self, index: int) -> Tuple[RowGroupFile]:
         """The row group of example ``index`` as a derived file to stage."""
         group, _ = self.row_group_of(int(index))
-        derived = self._row_group_file(group)
-        if self._recent is not None:
-            self._recent.touch(derived)
-        return (derived,)
+        return (self._row_group_file(group),)
+
+    def example_file_groups(self) -> numpy.ndarray:
+        """For each example, its row group: the rows of one are staged as one item."""
+        return numpy.repeat(numpy.arange(len(self.row_group_sizes)),
+                            self.row_group_sizes)
 
     def with_file_locations(self, locate: Callable[[str], str]
                             ) -> 'ParquetDataset':
         """A view that reads each row group from ``locate(row_group_file)``.
 
-        A local file that has gone (dropped after its window, or evicted) is
-        read from the Parquet file instead.
+        A local file that has gone (evicted by another process) raises
+        ``FileNotFoundError`` naming it; the iterator's loader then reads
+        the row from the Parquet file and counts it as read from shared
+        storage.
 
         Called in the process that stages (the training process), which from
         then on decodes row groups: Arrow's allocator there is told to give
@@ -319,8 +293,6 @@ class ParquetDataset(DatasetMixin):
         _return_freed_memory_at_once()
         view = self._clone()
         view._locate = locate
-        if self._recent is not None:
-            self._recent.locate = locate
         return view
 
     # ---- reading ---------------------------------------------------------
@@ -330,7 +302,7 @@ class ParquetDataset(DatasetMixin):
         if derived is None:
             file_index, group_in_file = self.row_group_locations[group]
             derived = RowGroupFile(self.files[file_index], group_in_file,
-                                   self.columns)
+                                   self.columns, self._metadata[file_index])
             self._row_group_files[group] = derived
         return derived
 
@@ -353,11 +325,7 @@ class ParquetDataset(DatasetMixin):
     def _read_row_group(self, group: int) -> pyarrow.Table:
         file_index, group_in_file = self.row_group_locations[group]
         if self._locate is not None:
-            local = self._locate(self._row_group_file(group))
-            try:
-                return _read_ipc(local)
-            except FileNotFoundError:
-                pass  # dropped or evicted meanwhile: read the source
+            return _read_ipc(self._locate(self._row_group_file(group)))
         return read_row_group(self.files[file_index], group_in_file,
                               self.columns, self._metadata[file_index])
 
@@ -370,7 +338,6 @@ class ParquetDataset(DatasetMixin):
     def __getstate__(self):
         state = dict(self.__dict__)
         state['_cache'] = collections.OrderedDict()
-        state['_recent'] = None  # stage 2 runs in the process that made it
         return state
 
 
@@ -387,11 +354,17 @@ def _return_freed_memory_at_once() -> None:
 
 
 def _read_ipc(path: str) -> pyarrow.Table:
-    """Memory-maps an Arrow IPC file: no copy, no decompression."""
+    """Memory-maps an Arrow IPC file: no copy, no decompression.
+
+    Raises:
+        FileNotFoundError: the file is gone (its ``filename`` is ``path``).
+        ParquetFileError: it cannot be read.
+    """
     try:
         return pyarrow.ipc.open_file(pyarrow.memory_map(path)).read_all()
-    except FileNotFoundError:
-        raise
+    except FileNotFoundError as error:
+        raise FileNotFoundError(errno.ENOENT, 'local row group gone: {}'
+                                .format(error), path) from error
     except (OSError, pyarrow.ArrowException) as error:
         raise ParquetFileError('cannot read local row group {}: {}'.format(
             path, error)) from error

@@ -1,112 +1,210 @@
-"""Code that runs in the stage-3 worker processes.
+"""Code that runs in the stage-3 loader processes, and the shared-memory format.
 
 Each worker holds two views of the dataset: the original one (reads shared
 storage) and the located one (reads the local copies; see
-:mod:`chainer_prefetch.staging.dataset_files`).  The parent decides per
+:mod:`chainer_prefetch.staging.dataset_files`).  The scheduler decides per
 example which one to use: the located view only once stage 2 has every file
 of that example in place, so a worker never opens a file still being written.
 
-Arrays travel back through shared memory when the parent gave a buffer, in
-the same packed format as :class:`chainer.iterators.MultiprocessIterator`.
+Falling back: when the located view fails with an ``OSError`` *about a file
+under the local directory* (another process sharing the directory evicted
+it after stage 2 checked it), the example is read from shared storage
+instead and reported as such.  Any other exception is the dataset's and is
+reported, never retried: a bug in a transform runs once.
+
+Arrays travel back through a shared-memory buffer when one is given: each
+example has a region ``[offset, offset + example_bytes)`` of the buffer, and
+its arrays (the example itself, or the arrays directly in a tuple, list or
+dict) are written there and replaced by :class:`Packed` markers.  An array
+that does not fit travels by pickling.
 """
 import mmap
 import os
+import pickle
 import signal
-import threading
-import time
 import traceback
+from typing import Any, Optional
 
-import _posixshmem  # what multiprocessing.shared_memory opens segments with
+import numpy
 
-from chainer.iterators.multiprocess_iterator import _pack
-
-from chainer_prefetch.errors import ExampleLoadError
-
-_PARENT_CHECK_SECONDS = 0.5
+from chainer_prefetch.iterators import _worker_pool
+from chainer_prefetch.staging.sources import as_source
 
 _original_dataset = None
 _located_dataset = None
-_attached_buffers = {}
+_local_root: Optional[str] = None
+_dataset_files = None
+_buffers = {}
+
+#: Codes of where an example was read (see ``_scheduler.ReadFrom``).
+LOCAL, SOURCE, FALLBACK = 'local', 'source', 'fallback'
 
 
-def initialize_worker(original_dataset, located_dataset):
-    """Pool initializer: keeps the datasets and ties the worker's life to its parent.
+def initialize_worker(original_dataset, located_dataset, local_root,
+                      dataset_files):
+    """Pool initializer: keeps the datasets.
 
     Args:
         original_dataset: The dataset as the user gave it.
         located_dataset: The view reading local copies, or ``None``.
+        local_root: The directory the located view reads under, or ``None``.
+        dataset_files: The dataset's files (to count the bytes of examples
+            read from shared storage), or ``None``.
     """
-    global _original_dataset, _located_dataset
-    # Ctrl-C goes to the whole process group; the parent owns shutdown.
+    global _original_dataset, _located_dataset, _local_root, _dataset_files
+    # Ctrl-C goes to the whole process group; the owner process stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _original_dataset = original_dataset
     _located_dataset = located_dataset
-    parent = os.getppid()
-    threading.Thread(target=_exit_when_orphaned, args=(parent,),
-                     name='exit-with-parent', daemon=True).start()
+    _local_root = None if local_root is None else os.path.join(local_root, '')
+    _dataset_files = dataset_files
 
 
-def _exit_when_orphaned(parent_pid):
-    # A SIGKILLed parent cannot stop its workers; they notice and leave.
-    while os.getppid() == parent_pid:
-        time.sleep(_PARENT_CHECK_SECONDS)
-    os._exit(1)
-
-
-def load_examples(tasks, buffer_name):
-    """Loads examples, packing their arrays into shared memory if given.
-
-    When the local copies cannot be read (another process sharing the
-    directory evicted one after stage 2 checked it), an example is loaded
-    from shared storage instead.
+def load_examples(entries, buffer_key, example_bytes):
+    """Loads examples; the answer of one load task.
 
     Args:
-        tasks: ``(index, use_local_copies, offset, limit)`` per example:
-            the index into the dataset, whether to read through the located
-            view, and the example's region ``[offset, limit)`` in the buffer.
-        buffer_name (str or None): Name of the shared memory buffer of the
-            examples' batch; ``None`` to return arrays by pickling.
+        entries: ``(position, index, read_local)`` per example: its position
+            in the batch (its region of the buffer), its index, and whether
+            to read through the located view.
+        buffer_key: Key of the batch's shared buffer (see
+            ``WorkerPool.share_fd``), or ``None`` to pickle the arrays.
+        example_bytes: Bytes of each example's region of the buffer.
 
     Returns:
-        One ``((example, read_locally), None)`` per task, or, from the first
-        example that fails, ``(None, ExampleLoadError)`` (with the
-        traceback in its message) and nothing after it.
+        One ``(read_from, example, source_bytes)`` per entry, or, from the
+        first example that fails, ``(None, exception, traceback_text)`` and
+        nothing after it.
     """
+    buffer = None if buffer_key is None else _buffer(buffer_key)
     results = []
-    for index, use_local_copies, offset, limit in tasks:
-        example = None
-        if use_local_copies:
-            try:
-                example = _located_dataset[index]
-            except Exception:
-                use_local_copies = False  # the source's error is the one to report
-        if not use_local_copies:
-            try:
+    for position, index, read_local in entries:
+        read_from = LOCAL if read_local else SOURCE
+        try:
+            if read_local:
+                try:
+                    example = _located_dataset[index]
+                except OSError as error:
+                    if not _about_local_file(error):
+                        raise
+                    read_from = FALLBACK
+            if read_from != LOCAL:
                 example = _original_dataset[index]
-            except Exception as error:
-                results.append((None, ExampleLoadError('{}: {}\n{}'.format(
-                    type(error).__name__, error, traceback.format_exc()))))
-                break
-        if buffer_name is not None:
-            example = _pack(example, _attach(buffer_name), offset, limit)
-        results.append(((example, use_local_copies), None))
+        except Exception as error:
+            results.append((None, _picklable(error), traceback.format_exc()))
+            break
+        if buffer is not None:
+            start = position * example_bytes
+            example = pack(example, buffer, start, start + example_bytes)
+        results.append((read_from, example,
+                        0 if read_from == LOCAL else _source_bytes(index)))
     return results
 
 
-def _attach(name):
-    """Maps the parent's shared memory segment ``name`` into this process.
+def _about_local_file(error: OSError) -> bool:
+    """Whether ``error`` is about a file under the local directory."""
+    name = error.filename
+    return (_local_root is not None and isinstance(name, str)
+            and name.startswith(_local_root))
 
-    ``SharedMemory(name=...)`` would register the segment with a resource
-    tracker of this worker (Python < 3.13), which unlinks it when the worker
-    exits: the parent's buffer would vanish under it.  The parent alone owns
-    the segment, so map it here without registering.
-    """
-    buffer = _attached_buffers.get(name)
-    if buffer is None:
-        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+
+def _source_bytes(index) -> int:
+    """Bytes of shared storage that reading example ``index`` cost (an estimate)."""
+    if _dataset_files is None:
+        return 0
+    total = 0
+    for named in _dataset_files.files(index):
+        source = as_source(named)
         try:
-            buffer = memoryview(mmap.mmap(fd, os.fstat(fd).st_size))
-        finally:
-            os.close(fd)
-        _attached_buffers[name] = buffer
+            total += source.source_bytes_per_example(source.stat_origin())
+        except OSError:
+            pass
+    return total
+
+
+def _picklable(error: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError('{}: {}'.format(type(error).__name__, error))
+
+
+def _buffer(key) -> memoryview:
+    buffer = _buffers.get(key)
+    if buffer is None:
+        fd = _worker_pool.shared_fd(key)
+        buffer = _buffers[key] = memoryview(mmap.mmap(fd, os.fstat(fd).st_size))
     return buffer
+
+
+# ---- the shared-memory format ---------------------------------------------------
+
+class Packed:
+    """An array written into a shared buffer at ``offset``."""
+
+    __slots__ = ('dtype', 'shape', 'offset')
+
+    def __init__(self, dtype, shape, offset):
+        self.dtype = dtype
+        self.shape = shape
+        self.offset = offset
+
+    def __reduce__(self):
+        return Packed, (self.dtype, self.shape, self.offset)
+
+
+def example_bytes(example) -> int:
+    """Bytes of the arrays that :func:`pack` would write for ``example``."""
+    return sum(array.nbytes for array in _arrays(example))
+
+
+def _arrays(example):
+    if isinstance(example, numpy.ndarray):
+        return [example]
+    if type(example) in (tuple, list):
+        return [value for value in example if isinstance(value, numpy.ndarray)]
+    if type(example) is dict:
+        return [value for value in example.values()
+                if isinstance(value, numpy.ndarray)]
+    return []
+
+
+def pack(example, buffer: memoryview, offset: int, limit: int):
+    """Writes the arrays of ``example`` into ``buffer[offset:limit]``; returns the packed form."""
+    def put(value):
+        nonlocal offset
+        if (not isinstance(value, numpy.ndarray) or value.dtype.hasobject
+                or offset + value.nbytes > limit):
+            return value
+        target = numpy.frombuffer(buffer, value.dtype, value.size, offset)
+        target[...] = value.ravel()
+        packed = Packed(value.dtype, value.shape, offset)
+        offset += value.nbytes
+        return packed
+
+    if isinstance(example, numpy.ndarray):
+        return put(example)
+    if type(example) in (tuple, list):
+        return type(example)(put(value) for value in example)
+    if type(example) is dict:
+        return {key: put(value) for key, value in example.items()}
+    return example
+
+
+def unpack(example, memory) -> Any:
+    """Replaces :class:`Packed` markers by arrays viewing ``memory``."""
+    def get(value):
+        if type(value) is not Packed:
+            return value
+        count = int(numpy.prod(value.shape, dtype=numpy.int64))
+        return numpy.frombuffer(memory, value.dtype, count,
+                                value.offset).reshape(value.shape)
+
+    if type(example) is Packed:
+        return get(example)
+    if type(example) in (tuple, list):
+        return type(example)(get(value) for value in example)
+    if type(example) is dict:
+        return {key: get(value) for key, value in example.items()}
+    return example

@@ -7,35 +7,50 @@ Python 3.11 ``ProcessPoolExecutor(max_tasks_per_child=k)`` stalls for k > 1
 Here every worker has its own pipe, so the pool knows which tasks each worker
 holds:
 
-* a task is a call ``function(*args)`` answered by a
-  :class:`concurrent.futures.Future`;
+* a task is a call ``function(*args)``; its answer goes to a callback,
+  ``on_done(task_id, ok, value)``, called on the collector thread;
 * each worker holds at most ``TASKS_PER_WORKER`` tasks (two, so it never
   idles between tasks); the rest wait in the parent;
 * a worker retires after ``max_tasks`` tasks: the pool stops giving it work,
   it exits once its answers are sent, and a fresh worker takes its place;
 * a worker that dies otherwise (killed, out of memory, crashed initializer)
-  fails its own tasks with :class:`WorkerDiedError` naming its pid and exit
-  code, and breaks the pool: every later task fails the same way, and no
-  replacement is started (a crashing initializer would crash again).
+  fails its own tasks with :class:`~chainer_prefetch.errors.WorkerDiedError`
+  naming its pid and exit code, and breaks the pool: every later task fails
+  the same way, and no replacement is started;
+* file descriptors (the shared-memory buffers) are passed to every worker,
+  present and future, with :meth:`WorkerPool.share_fd`.
 
-One collector thread receives answers and watches the workers' sentinels.
+Start method: workers are forked (cheap, nothing to pickle) only while the
+calling process runs no other Python thread; a process with threads (the
+copy threads, another iterator, the user's) is not forked, because a thread
+holding a lock at fork time leaves the child deadlocked.  Such workers start
+from ``forkserver`` instead, or fork with a warning when the dataset cannot
+be pickled.  A ``spawn`` or ``forkserver`` default is always respected.
+
+Shutdown (:meth:`WorkerPool.close`): the collector is told to stop, workers
+are terminated, then killed if still alive at the deadline; the whole close
+takes at most the deadline given.  Workers also exit by themselves when the
+owner process dies.
 """
 import collections
-import concurrent.futures
-import itertools
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
+import multiprocessing.reduction
 import os
 import threading
+import time
 import traceback
+import warnings
+from typing import Any, Callable, Dict, List, Optional
+
+from chainer_prefetch.errors import WorkerDiedError
 
 TASKS_PER_WORKER = 2
 _POLL_SECONDS = 0.1
-_STOP_SECONDS = 5.0
+_PARENT_CHECK_SECONDS = 0.5
 
-
-class WorkerDiedError(RuntimeError):
-    """A worker process ended without answering its tasks."""
+Callback = Callable[[int, bool, Any], None]
 
 
 class _Worker:
@@ -45,7 +60,7 @@ class _Worker:
         self.connection = connection
         self.assigned = 0  # tasks sent over its life
         self.gone = False  # a send failed: the process is dying
-        self.outstanding = {}  # task id -> future
+        self.outstanding: Dict[int, Callback] = {}  # task id -> callback
 
 
 class WorkerPool:
@@ -57,57 +72,70 @@ class WorkerPool:
         initargs (tuple): Arguments of ``initializer``.
         max_tasks (int or None): Tasks a worker runs before it is replaced;
             ``None`` keeps workers for the pool's life.
-        context: A ``multiprocessing`` context (start method).
     """
 
-    def __init__(self, n_processes, initializer, initargs, max_tasks=None,
-                 context=None):
-        self._context = context or multiprocessing.get_context()
+    def __init__(self, n_processes: int, initializer: Callable,
+                 initargs: tuple, max_tasks: Optional[int] = None):
         self._initializer = initializer
         self._initargs = initargs
         self._max_tasks = max_tasks
         self._lock = threading.Lock()
-        self._workers = []
-        self._waiting = collections.deque()  # (task id, future, call)
-        self._task_ids = itertools.count()
-        self._broken = None
+        self._workers: List[_Worker] = []
+        self._waiting = collections.deque()  # (task id, call, callback)
+        self._shared_fds: Dict[Any, int] = {}
+        self._broken: Optional[WorkerDiedError] = None
         self._closed = False
         self._owner_pid = os.getpid()
-        for _ in range(n_processes):
-            self._workers.append(self._start_worker())
         self._wakeup_reader, self._wakeup_writer = \
             multiprocessing.connection.Pipe(duplex=False)
+        try:
+            for _ in range(n_processes):
+                self._workers.append(self._start_worker())
+        except BaseException:
+            self.close(time.monotonic() + 5)
+            raise
         self._collector = threading.Thread(
             target=self._collect, name='chainer_prefetch-workers', daemon=True)
         self._collector.start()
 
-    def submit(self, function, *args) -> concurrent.futures.Future:
-        """Runs ``function(*args)`` in a worker.
+    def submit(self, task_id: int, function: Callable, args: tuple,
+               on_done: Callback):
+        """Runs ``function(*args)`` in a worker; ``on_done(task_id, ok, value)`` gets the answer.
 
-        Returns:
-            A future for the result.  It fails with :class:`WorkerDiedError`
-            if the worker died, or with the exception ``function`` raised.
+        ``ok`` is false and ``value`` the exception when ``function`` raised
+        or the worker died (:class:`~chainer_prefetch.errors.WorkerDiedError`).
         """
-        future = concurrent.futures.Future()
         with self._lock:
             if self._broken is not None:
-                future.set_exception(self._broken)
-                return future
-            if self._closed:
+                broken = self._broken
+            elif self._closed:
                 raise RuntimeError('the worker pool is closed')
-            self._waiting.append((next(self._task_ids), future,
-                                  (function, args)))
-            self._assign()
-        return future
+            else:
+                self._waiting.append((task_id, (function, args), on_done))
+                self._assign()
+                return
+        on_done(task_id, False, broken)
 
-    def pids(self):
+    def share_fd(self, key, fd: int):
+        """Passes a duplicate of ``fd`` to every worker (also later ones) as ``key``.
+
+        A worker receives it before any task submitted after this call; see
+        :func:`shared_fd` for the worker's side.
+        """
+        with self._lock:
+            self._shared_fds[key] = os.dup(fd)
+            for worker in self._workers:
+                self._send_fd(worker, key, self._shared_fds[key])
+
+    def pids(self) -> List[int]:
         """Pids of the current workers."""
         with self._lock:
             return [worker.process.pid for worker in self._workers]
 
-    def close(self):
-        """Stops every worker now (running tasks are abandoned).
+    def close(self, deadline: float):
+        """Stops every worker by ``deadline`` (a ``time.monotonic()`` value).
 
+        Running tasks are abandoned (their callbacks are not called).
         Idempotent, and a no-op in any process but the pool's owner.
         """
         if os.getpid() != self._owner_pid:
@@ -117,39 +145,50 @@ class WorkerPool:
                 return
             self._closed = True
             workers = list(self._workers)
-            futures = [future for worker in workers
-                       for future in worker.outstanding.values()]
-            futures += [future for _, future, _ in self._waiting]
             self._waiting.clear()
-        self._wakeup_writer.send(None)
-        if self._collector is not threading.current_thread():
-            self._collector.join(_STOP_SECONDS)
+        try:
+            self._wakeup_writer.send(None)
+        except OSError:
+            pass
+        collector = getattr(self, '_collector', None)
+        if collector is not None and collector is not threading.current_thread():
+            collector.join(_remaining(deadline))
         for worker in workers:
             if worker.process.is_alive():
                 worker.process.terminate()
         for worker in workers:
-            worker.process.join(_STOP_SECONDS)
+            worker.process.join(_remaining(deadline))
             if worker.process.is_alive():
                 worker.process.kill()
-                worker.process.join()
+                worker.process.join(1.0)
             worker.connection.close()
+        for fd in self._shared_fds.values():
+            os.close(fd)
+        self._shared_fds.clear()
         self._wakeup_reader.close()
         self._wakeup_writer.close()
-        for future in futures:
-            future.cancel()
 
     # ---- internals (the lock is held where noted) ---------------------------
 
     def _start_worker(self) -> _Worker:
         parent_end, child_end = multiprocessing.connection.Pipe()
-        process = self._context.Process(
-            target=_worker_main,
-            args=(child_end, self._initializer, self._initargs,
-                  self._max_tasks),
-            name='chainer_prefetch-worker', daemon=True)
-        process.start()
+        args = (child_end, self._initializer, self._initargs, self._max_tasks,
+                os.getpid())
+        process = _start_process(args)
         child_end.close()
-        return _Worker(process, parent_end)
+        worker = _Worker(process, parent_end)
+        for key, fd in self._shared_fds.items():
+            self._send_fd(worker, key, fd)
+        return worker
+
+    def _send_fd(self, worker, key, fd):
+        """(lock held)"""
+        try:
+            worker.connection.send(('fd', key))
+            multiprocessing.reduction.send_handle(worker.connection, fd,
+                                                  worker.process.pid)
+        except OSError:
+            worker.gone = True  # its sentinel reports it
 
     def _accepts_work(self, worker) -> bool:
         if worker.gone or len(worker.outstanding) >= TASKS_PER_WORKER:
@@ -163,13 +202,11 @@ class WorkerPool:
             if not candidates:
                 return
             worker = min(candidates, key=lambda w: len(w.outstanding))
-            task_id, future, call = self._waiting.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            worker.outstanding[task_id] = future
+            task_id, call, on_done = self._waiting.popleft()
+            worker.outstanding[task_id] = on_done
             worker.assigned += 1
             try:
-                worker.connection.send((task_id,) + call)
+                worker.connection.send(('task', task_id) + call)
             except OSError:
                 # Died since the collector last looked; its sentinel fires
                 # soon and _reap fails this task with WorkerDiedError.
@@ -194,11 +231,8 @@ class WorkerPool:
             for item in ready:
                 if item in sentinels:
                     finished += self._reap(sentinels[item])
-            for future, ok, value in finished:  # outside the lock
-                if ok:
-                    future.set_result(value)
-                else:
-                    future.set_exception(value)
+            for on_done, task_id, ok, value in finished:  # outside the lock
+                on_done(task_id, ok, value)
 
     def _receive(self, worker):
         try:
@@ -206,9 +240,9 @@ class WorkerPool:
         except (EOFError, OSError):
             return []  # the worker is gone; its sentinel reports it
         with self._lock:
-            future = worker.outstanding.pop(task_id)
+            on_done = worker.outstanding.pop(task_id)
             self._assign()
-        return [(future, ok, value)]
+        return [(on_done, task_id, ok, value)]
 
     def _reap(self, worker):
         """A worker exited: replace it if it retired, else break the pool."""
@@ -228,23 +262,85 @@ class WorkerPool:
                        and self._max_tasks is not None
                        and worker.assigned >= self._max_tasks)
             if retired and self._broken is None:
-                self._workers.append(self._start_worker())
-            else:
+                try:
+                    self._workers.append(self._start_worker())
+                except Exception as error:  # e.g. out of memory
+                    self._broken = WorkerDiedError(
+                        'cannot start a replacement worker: {}'.format(error))
+            if not retired or self._broken is not None:
                 self._broken = self._broken or WorkerDiedError(
                     'worker process {} exited with code {} holding {} '
                     'task(s)'.format(worker.process.pid,
                                      worker.process.exitcode,
                                      len(worker.outstanding)))
-                lost = list(worker.outstanding.values())
-                lost += [future for _, future, _ in self._waiting]
+                lost = [(on_done, task_id) for task_id, on_done
+                        in worker.outstanding.items()]
+                lost += [(on_done, task_id) for task_id, _, on_done
+                         in self._waiting]
                 self._waiting.clear()
-                finished += [(future, False, self._broken) for future in lost]
+                finished += [(on_done, task_id, False, self._broken)
+                             for on_done, task_id in lost]
             self._assign()
         return finished
 
 
-def _worker_main(connection, initializer, initargs, max_tasks):
+def _start_process(args) -> multiprocessing.process.BaseProcess:
+    """Starts one worker process, never forking a process that runs other threads."""
+    method = multiprocessing.get_start_method()
+    if method == 'fork' and threading.active_count() > 1:
+        method = 'forkserver'
+    if method == 'forkserver':
+        _preload_worker_code()
+    context = multiprocessing.get_context(method)
+    process = context.Process(target=_worker_main, args=args,
+                              name='chainer_prefetch-worker', daemon=True)
+    try:
+        process.start()
+    except (TypeError, AttributeError, multiprocessing.reduction.pickle.PicklingError
+            ) as error:
+        if method == multiprocessing.get_start_method():
+            raise
+        warnings.warn('the dataset cannot be pickled ({}), so a loader '
+                      'process is forked from a process that runs other '
+                      'threads, which may deadlock it; make the dataset '
+                      'picklable to avoid this'.format(error), RuntimeWarning)
+        process = multiprocessing.get_context('fork').Process(
+            target=_worker_main, args=args, name='chainer_prefetch-worker',
+            daemon=True)
+        process.start()
+    return process
+
+
+def _preload_worker_code():
+    """Has the fork server import this package once, so its workers start in milliseconds.
+
+    Adds to the modules the user asked the server to preload; has no effect
+    once the server runs.
+    """
+    server = getattr(multiprocessing.forkserver, '_forkserver', None)
+    modules = list(getattr(server, '_preload_modules', None) or ['__main__'])
+    if __name__ not in modules:
+        multiprocessing.forkserver.set_forkserver_preload(modules + [__name__])
+
+
+def _remaining(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+# ---- the worker process ---------------------------------------------------------
+
+_shared_fds: Dict[Any, int] = {}
+
+
+def shared_fd(key) -> int:
+    """In a worker: the descriptor the pool shared as ``key`` (see ``share_fd``)."""
+    return _shared_fds[key]
+
+
+def _worker_main(connection, initializer, initargs, max_tasks, owner_pid):
     """Loop of a worker process: run tasks until told to stop or retired."""
+    threading.Thread(target=_exit_when_orphaned, args=(owner_pid,),
+                     name='exit-with-owner', daemon=True).start()
     initializer(*initargs)
     done = 0
     while max_tasks is None or done < max_tasks:
@@ -252,7 +348,11 @@ def _worker_main(connection, initializer, initargs, max_tasks):
             message = connection.recv()
         except (EOFError, OSError):
             return
-        task_id, function, args = message
+        if message[0] == 'fd':
+            _shared_fds[message[1]] = multiprocessing.reduction.recv_handle(
+                connection)
+            continue
+        _, task_id, function, args = message
         try:
             answer = (task_id, True, function(*args))
         except Exception as error:
@@ -265,3 +365,22 @@ def _worker_main(connection, initializer, initargs, max_tasks):
                     error, traceback.format_exc()))))
         done += 1
     connection.close()
+
+
+def _exit_when_orphaned(owner_pid):
+    """A SIGKILLed owner cannot stop its workers: they notice and leave."""
+    parent = os.getppid()
+    while True:
+        time.sleep(_PARENT_CHECK_SECONDS)
+        if os.getppid() != parent or not _alive(owner_pid):
+            os._exit(1)
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,5 +1,4 @@
 """PrefetchMultiprocessIterator: MultiprocessIterator that stages files to local storage."""
-import multiprocessing
 import threading
 import time
 import warnings
@@ -8,17 +7,15 @@ import weakref
 import numpy
 from chainer.dataset import iterator
 from chainer.iterators import MultiprocessIterator
-from chainer.iterators.order_samplers import ShuffleOrderSampler
 
-from chainer_prefetch.iterators import _lookahead
-from chainer_prefetch.iterators._next_epoch_cache import NextEpochCache
-from chainer_prefetch.iterators._pipeline import EndOfData, Failure, Pipeline
+from chainer_prefetch.errors import LocalStorageError
+from chainer_prefetch.iterators import _executor, _scheduler, _settings
+from chainer_prefetch.iterators._settings import IteratorSettings
+from chainer_prefetch.policy import lookahead
+from chainer_prefetch.policy.next_epoch_cache import NextEpochCache
 from chainer_prefetch.staging.dataset_files import resolve_dataset_files
-from chainer_prefetch.staging.eviction import POLICIES
-from chainer_prefetch.staging.example_stager import (ExampleStager,
-                                                     StagingCounters)
-from chainer_prefetch.staging.local_directory import (LocalDirectory,
-                                                       LocalStorageError)
+from chainer_prefetch.staging.local_directory import LocalDirectory
+from chainer_prefetch.staging.local_store import STORE_COUNTERS, LocalStore
 
 
 class PrefetchMultiprocessIterator(iterator.Iterator):
@@ -65,13 +62,18 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
     Failures:
 
     * A source file that cannot be read, or an exception in ``get_example``,
-      raises :class:`~chainer_prefetch.ExampleLoadError` from ``next()``
-      naming the index and the files.  The iterator then keeps raising it
-      until ``reset()``.
+      raises from ``next()`` an exception of the dataset's own type (so
+      ``except FileNotFoundError`` works as with ``MultiprocessIterator``)
+      that is also a :class:`~chainer_prefetch.ExampleLoadError`, whose
+      message names the index and the files and whose cause carries the
+      loader process's traceback.  The iterator then keeps raising it until
+      ``reset()``.
     * A local directory that is full or not writable: a ``UserWarning`` once,
       and training continues from shared storage; no partial copy is ever
       read.
-    * A worker process killed by the system: ``ExampleLoadError`` saying so.
+    * A worker process killed by the system:
+      :class:`~chainer_prefetch.errors.WorkerDiedError` (an
+      ``ExampleLoadError``) saying so.
 
     Args:
         dataset (~chainer.dataset.Dataset): Dataset to iterate.
@@ -85,14 +87,19 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             of CPUs by default.
         n_prefetch (int): Number of finished batches kept ready.
         shared_mem (int): Bytes of shared memory per example.  ``None``
-            measures the first batch (which then travels by pickling).
+            measures the first batch (which then travels by pickling); 0
+            pickles every batch.  Two batches' worth is allocated, as
+            anonymous memory (not in ``/dev/shm``); if it cannot be, a
+            warning says so and examples travel by pickling.
         order_sampler (callable): ``(current_order, current_position) ->
             next_order``; cannot be combined with ``shuffle``.
         dataset_timeout (float): A :class:`TimeoutWarning` is issued when
             ``next()`` waits longer than this (seconds); ``None`` disables it.
         maxtasksperchild (int): Examples a worker process loads before it is
-            replaced by a fresh one.  Replacement workers are started with
-            ``forkserver`` when the default start method is ``fork``.
+            replaced by a fresh one.  A worker is never forked from a process
+            that runs other threads: replacements (and workers started while
+            other threads run) start from ``forkserver`` when the default
+            start method is ``fork``.
         local_dir (str): Node-local directory for the copies (e.g. on the
             node's SSD).  Created with mode 0700 when missing; may be shared
             by several iterators and processes.  ``None`` disables staging.
@@ -108,20 +115,19 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             dataset.  The limit is per directory and enforced jointly by
             every process using it (a ledger file under ``flock``; see
             :mod:`chainer_prefetch.staging.capacity`): give every iterator
-            sharing the directory the same value.  Construction reads the
-            size of every file of the dataset (one ``stat`` each, in
-            parallel) and refuses a limit smaller than the largest.  Copies
-            that would exceed the limit evict others by ``eviction_policy``
-            or are left on shared storage, which stage 3 then reads
-            directly; stage 3 also reads the source, instead of waiting,
-            for an example whose copy has not started when its batch is
-            next.
+            sharing the directory the same value.  It applies to every kind
+            of source, Parquet row groups included.  Copies that would
+            exceed the limit evict others by ``eviction_policy`` or are left
+            on shared storage, which stage 3 then reads directly (a file
+            larger than the whole limit always is); stage 3 also reads the
+            source, instead of waiting, for an example whose copy has not
+            started when its batch is next.
         next_epoch_cache_examples (int): Enables the next-epoch cache: while
             an epoch runs, keep in memory (in this process) the examples
             that the next epoch needs first, at most this many, so that the
             next epoch serves them without storage reads or decoding.  The
             order of examples is unchanged.  See
-            :mod:`chainer_prefetch.iterators._next_epoch_cache`.
+            :mod:`chainer_prefetch.policy.next_epoch_cache`.
         next_epoch_cache_bytes (int): Enables the cache with a bound in
             bytes of example arrays (both bounds apply when both are given).
         eviction_policy (str): With ``local_capacity``: ``'belady'``
@@ -132,6 +138,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             first copies that fit, never evict).
 
     Attributes:
+        settings (IteratorSettings): The options, validated; each is also
+            readable as an attribute of the iterator (``it.batch_size``).
         stats (dict): Counters of what each stage did (see :attr:`stats`).
     """
 
@@ -139,9 +147,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         """Issued when ``next()`` waits longer than ``dataset_timeout``."""
 
     _finalized = False
-    _pipeline = None
-    _stop_event = None  # finalize() may run on a half-constructed object
-    _stager = None
+    _executor = None  # finalize() may run on a half-constructed object
+    _store = None
 
     def __init__(self, dataset, batch_size, repeat=True, shuffle=None,
                  n_processes=None, n_prefetch=1, shared_mem=None,
@@ -150,102 +157,80 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                  n_copy_ahead=16, local_capacity=None,
                  eviction_policy='belady', next_epoch_cache_examples=None,
                  next_epoch_cache_bytes=None):
-        _check_positive_int('batch_size', batch_size)
-        _check_positive_int('n_copy_threads', n_copy_threads)
-        _check_positive_int('n_copy_ahead', n_copy_ahead)
-        if n_processes is not None:
-            _check_positive_int('n_processes', n_processes)
-        if maxtasksperchild is not None:
-            _check_positive_int('maxtasksperchild', maxtasksperchild)
-        if local_capacity is not None:
-            _check_positive_int('local_capacity', local_capacity)
-        for name, value in (('next_epoch_cache_examples',
-                             next_epoch_cache_examples),
-                            ('next_epoch_cache_bytes', next_epoch_cache_bytes)):
-            if value is not None:
-                _check_positive_int(name, value)
-        if eviction_policy not in POLICIES:
-            raise ValueError('eviction_policy must be one of {}, got {!r}'
-                             .format(', '.join(POLICIES), eviction_policy))
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.repeat = repeat
-        self.shuffle = shuffle
-        self.n_processes = n_processes or multiprocessing.cpu_count()
-        self.n_prefetch = max(n_prefetch, 1)
-        self.shared_mem = shared_mem
-        self.dataset_timeout = dataset_timeout
-        self.maxtasksperchild = maxtasksperchild
-        self.local_dir = local_dir
-        self.n_copy_threads = n_copy_threads
-        self.n_copy_ahead = n_copy_ahead
-        self.local_capacity = local_capacity
-        self.eviction_policy = eviction_policy
-        self.next_epoch_cache_examples = next_epoch_cache_examples
-        self.next_epoch_cache_bytes = next_epoch_cache_bytes
-
-        if shuffle is not None:
-            if order_sampler is not None:
-                raise ValueError('`shuffle` is not `None` and a custom '
-                                 '`order_sampler` is set. Please set '
-                                 '`shuffle` to `None` to use the custom '
-                                 'order sampler.')
-            if shuffle:
-                order_sampler = ShuffleOrderSampler()
-        elif order_sampler is None:
-            order_sampler = ShuffleOrderSampler()
-        self.order_sampler = order_sampler
+        self.settings = IteratorSettings(
+            dataset, batch_size, repeat, shuffle, n_processes, n_prefetch,
+            shared_mem, order_sampler, dataset_timeout, maxtasksperchild,
+            local_dir, n_copy_threads, n_copy_ahead, local_capacity,
+            eviction_policy, next_epoch_cache_examples, next_epoch_cache_bytes)
         self._initialize()
         self.reset()
 
+    def __getattr__(self, name):
+        # The options read as attributes, as MultiprocessIterator's do.
+        if name in _settings.FIELDS and 'settings' in self.__dict__:
+            return getattr(self.settings, name)
+        raise AttributeError('{!r} object has no attribute {!r}'.format(
+            type(self).__name__, name))
+
     def _initialize(self):
         """Sets up everything that is not the iteration state (also after unpickling)."""
-        self._counters = StagingCounters()
+        settings = self.settings
         self._stop_event = threading.Event()
         self._error = None
         self._warned_local_storage = False
         self._consumer_wait_seconds = 0.0
         self._first_batch_seconds = None
         self._batches_delivered = 0
-        self._located_dataset = None
-        self._stager = None
-        self._local_directory = None
-        if self.local_dir is None:
+        self._files = self._store = self._located_dataset = None
+        self._item_of = None
+        if settings.local_dir is None:
             return
-        files = resolve_dataset_files(self.dataset)
+        files = resolve_dataset_files(settings.dataset)
         if files is None:
             return
         try:
-            self._local_directory = LocalDirectory(self.local_dir,
-                                                   self._stop_event)
+            directory = LocalDirectory(settings.local_dir, self._stop_event)
+            try:
+                self._store = LocalStore(directory, settings.local_capacity,
+                                         settings.eviction_policy)
+            except BaseException:
+                directory.close()
+                raise
         except LocalStorageError as error:
             warnings.warn('{}; reading the dataset from its source '
                           'instead.'.format(error))
             return
-        self._located_dataset = files.located(self._local_directory.path_map)
-        self._stager = ExampleStager(
-            files, self._local_directory, self._counters,
-            capacity_bytes=self.local_capacity,
-            eviction_policy=self.eviction_policy,
-            n_examples=len(self.dataset), n_stat_threads=self.n_copy_threads)
+        self._files = files
+        self._located_dataset = files.located(directory.path_map)
+        item_of = files.item_of()
+        if item_of is not None:
+            self._item_of = numpy.asarray(item_of, dtype=numpy.int64)
 
     def _start_pipeline(self):
+        settings = self.settings
         cache = None
-        if (self.next_epoch_cache_examples is not None
-                or self.next_epoch_cache_bytes is not None):
-            cache = NextEpochCache(self.next_epoch_cache_examples,
-                                   self.next_epoch_cache_bytes)
-        self._pipeline = Pipeline(
-            self.dataset, self._located_dataset, self._stager, self._state,
-            self.batch_size, self.repeat, self.order_sampler,
-            self.n_processes, self.n_copy_threads, self.n_copy_ahead,
-            self.n_prefetch, self.shared_mem, self.maxtasksperchild,
-            self._stop_event, cache)
+        if settings.next_epoch_cache:
+            cache = NextEpochCache(settings.next_epoch_cache_examples,
+                                   settings.next_epoch_cache_bytes)
+        config = _scheduler.SchedulerConfig(
+            batch_size=settings.batch_size, repeat=settings.repeat,
+            order_sampler=settings.order_sampler,
+            dataset_length=len(settings.dataset),
+            n_processes=settings.n_processes, n_prefetch=settings.n_prefetch,
+            n_copy_ahead=settings.n_copy_ahead,
+            task_slots=_executor.task_slots(settings.n_processes),
+            maxtasksperchild=settings.maxtasksperchild,
+            staging=self._store is not None,
+            limited=self._store is not None and self._store.limited,
+            item_of=self._item_of, example_bytes=settings.shared_mem)
+        self._executor = _executor.Executor(
+            settings, _scheduler.Scheduler(config, self._state, cache),
+            self._store, self._files, self._located_dataset, self._stop_event)
         # Stops the pipeline when this iterator is garbage collected or the
         # interpreter exits, even if finalize() is never called.
-        self._pipeline_finalizer = weakref.finalize(self, self._pipeline.close)
+        self._executor_finalizer = weakref.finalize(self, self._executor.close)
         try:
-            self._pipeline.start()
+            self._executor.start()
         except BaseException:
             self.finalize()
             raise
@@ -256,16 +241,17 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         if self._error is not None:
             raise self._error
         started = time.perf_counter()
-        if self._pipeline is None:
+        if self._executor is None:
             self._start_pipeline()
-        item = self._pipeline.get(self.dataset_timeout, self.TimeoutWarning)
+        item = self._executor.get(self.settings.dataset_timeout,
+                                  self.TimeoutWarning)
         waited = time.perf_counter() - started
         self._consumer_wait_seconds += waited
         self._warn_if_staging_stopped()
-        if isinstance(item, Failure):
+        if isinstance(item, _executor.Failure):
             self._error = item.error
             raise item.error
-        if isinstance(item, EndOfData):
+        if isinstance(item, _executor.EndOfData):
             batch, state = None, item.state
         else:
             batch, state = item
@@ -281,7 +267,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
     next = __next__
 
     def _warn_if_staging_stopped(self):
-        reason = self._counters.local_storage_error
+        reason = self._store.disabled if self._store is not None else None
         if reason is not None and not self._warned_local_storage:
             self._warned_local_storage = True
             warnings.warn('Copying to the local directory stopped ({}); '
@@ -291,39 +277,51 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
     def stats(self):
         """What the stages did so far, as a dict.
 
-        Keys: ``files_copied``, ``bytes_copied``, ``files_already_local``
-        (hits), ``files_failed_source``, ``examples_staged``,
-        ``examples_not_staged``, ``copy_seconds`` (summed over copy threads),
-        ``local_storage_error`` (why staging stopped, or ``None``),
-        ``examples_from_local`` / ``examples_from_source`` (what stage 3
-        loaded, including batches prefetched but not consumed yet, or
-        dropped by a reset; later epochs count as hits again),
-        ``batches``, ``consumer_wait_seconds`` (time ``next()`` waited) and
+        Stage 2 (the local store): ``files_copied``, ``bytes_copied`` (read
+        from shared storage to make local files), ``local_bytes_written``,
+        ``files_already_local`` (hits), ``files_failed_source``,
+        ``copy_seconds`` (summed over copy threads), ``local_storage_error``
+        (why staging stopped, or ``None``); with ``local_capacity`` also
+        ``items_bypassed`` (left on shared storage by the policy),
+        ``items_too_large`` (larger than the whole limit),
+        ``files_evicted``, ``bytes_evicted`` and ``local_bytes_used`` (the
+        directory's ledger, all processes).
+
+        Per access (a batch position): ``examples_staged`` /
+        ``examples_not_staged`` (planned to read local copies or the
+        source), and what stage 3 did: ``examples_from_local``,
+        ``examples_from_source``, ``examples_from_cache`` (the next-epoch
+        cache), ``examples_fallback`` (the local copy had vanished, so the
+        source was read; included in ``examples_from_source``).  These
+        include batches prefetched but not consumed yet or dropped by a
+        reset; later epochs count again.
+
+        ``batches``, ``consumer_wait_seconds`` (time ``next()`` waited),
         ``first_batch_seconds`` (the first ``next()`` call, start-up
-        included).  With ``local_capacity``: ``examples_bypassed`` (left on
-        shared storage by the policy), ``files_evicted``, ``bytes_evicted``
-        and ``local_bytes_used`` (the directory's ledger, all processes).
-        ``next_epoch_cache``: ``examples_cached``, ``examples_replaced``
-        (by ones earlier in the next order), ``hits``, ``bytes_cached``,
-        ``held_bytes``, or ``None`` without the cache.
+        included).  ``next_epoch_cache``: ``examples_cached``,
+        ``examples_replaced`` (by ones earlier in the next order), ``hits``,
+        ``bytes_cached``, ``held_bytes``, or ``None`` without the cache.
         ``by_epoch`` maps each epoch to what its accesses cost:
         ``examples_from_local``, ``examples_from_source``,
-        ``examples_from_cache`` (the next-epoch cache), and the bytes
-        they read from shared storage, ``bytes_copied`` (stage 2) and
-        ``bytes_from_source`` (stage 3).
+        ``examples_from_cache``, and the bytes they read from shared
+        storage: ``bytes_copied`` (stage 2) and ``bytes_from_source``
+        (stage 3; for rows of a row group, their share of its bytes).
         """
-        values = self._counters.snapshot()
-        pipeline = self._pipeline
-        values['examples_from_local'] = pipeline.examples_from_local if pipeline else 0
-        values['examples_from_source'] = pipeline.examples_from_source if pipeline else 0
-        values['by_epoch'] = ({epoch: dict(counts) for epoch, counts
-                               in sorted(pipeline.by_epoch.items())}
-                              if pipeline else {})
-        cache = pipeline and pipeline.next_epoch_cache
-        values['next_epoch_cache'] = (dict(cache.counters, held_bytes=(
-            cache.held_bytes)) if cache else None)
-        values['local_bytes_used'] = (self._stager.local_bytes_used()
-                                      if self._stager else None)
+        values = dict.fromkeys(_STORE_DEFAULTS, 0)
+        values['local_storage_error'] = None
+        values['local_bytes_used'] = None
+        if self._store is not None:
+            values.update(self._store.counters.snapshot())
+            values['local_storage_error'] = self._store.disabled
+            values['local_bytes_used'] = self._store.bytes_used()
+        counts, by_epoch, cache = ({}, {}, None) if self._executor is None \
+            else self._executor.stats()
+        for name in _ACCESS_COUNTS:
+            values[name] = counts.get(name, 0)
+        values['by_epoch'] = {epoch: {name: epoch_counts.get(name, 0)
+                                      for name in _EPOCH_COUNTS}
+                              for epoch, epoch_counts in sorted(by_epoch.items())}
+        values['next_epoch_cache'] = cache
         values['batches'] = self._batches_delivered
         values['consumer_wait_seconds'] = self._consumer_wait_seconds
         values['first_batch_seconds'] = self._first_batch_seconds
@@ -334,26 +332,19 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         if self._finalized:
             return
         self._finalized = True
-        if self._stop_event is not None:
+        if self.__dict__.get('_stop_event') is not None:
             self._stop_event.set()
-        if self._pipeline is not None:
-            self._pipeline_finalizer()  # runs Pipeline.close once
-            self._pipeline = None
-        if self._stager is not None:
-            self._stager.close()
+        if self._executor is not None:
+            self._executor_finalizer()  # runs Executor.close once
+            self._executor = None
+        if self._store is not None:
+            self._store.close()
 
     def __copy__(self):
-        other = PrefetchMultiprocessIterator(
-            self.dataset, self.batch_size, self.repeat, shuffle=None,
-            n_processes=self.n_processes, n_prefetch=self.n_prefetch,
-            shared_mem=self.shared_mem, order_sampler=self.order_sampler,
-            dataset_timeout=self.dataset_timeout,
-            maxtasksperchild=self.maxtasksperchild, local_dir=self.local_dir,
-            n_copy_threads=self.n_copy_threads, n_copy_ahead=self.n_copy_ahead,
-            local_capacity=self.local_capacity,
-            eviction_policy=self.eviction_policy,
-            next_epoch_cache_examples=self.next_epoch_cache_examples,
-            next_epoch_cache_bytes=self.next_epoch_cache_bytes)
+        other = PrefetchMultiprocessIterator.__new__(PrefetchMultiprocessIterator)
+        other.settings = self.settings.copy_settings()
+        other._initialize()
+        other.reset()  # draws an order, as a new MultiprocessIterator does
         other._set_state(self._state)
         other._previous_epoch_detail = self._previous_epoch_detail
         return other
@@ -383,7 +374,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
     @property
     def _epoch_size(self):
         order = self._state.order
-        return len(self.dataset) if order is None else len(order)
+        return len(self.settings.dataset) if order is None else len(order)
 
     def serialize(self, serializer):
         """Saves or restores the position; compatible with Chainer's iterators."""
@@ -412,7 +403,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         except KeyError:
             # Snapshots of older Chainer versions lack it: estimate it.
             self._previous_epoch_detail = self.epoch + (
-                self.current_position - self.batch_size) / self._epoch_size
+                self.current_position - self.settings.batch_size
+            ) / self._epoch_size
             if self.epoch_detail > 0:
                 self._previous_epoch_detail = max(
                     self._previous_epoch_detail, 0.)
@@ -422,16 +414,17 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
     def reset(self):
         """Goes back to the start of epoch 0 with a fresh order (and its successor)."""
         self._check_not_finalized()
-        self._set_state(_lookahead.initial_state(
-            self.order_sampler, len(self.dataset), self.batch_size))
+        settings = self.settings
+        self._set_state(lookahead.initial_state(
+            settings.order_sampler, len(settings.dataset), settings.batch_size))
         self._previous_epoch_detail = -1.
 
     def _reset_state(self, current_position, epoch, is_new_epoch, order,
                      next_order=None):
         self._check_not_finalized()
-        self._set_state(_lookahead.with_next_order(
+        self._set_state(lookahead.with_next_order(
             (current_position, epoch, is_new_epoch, order),
-            self.order_sampler, self.batch_size, next_order))
+            self.settings.order_sampler, self.settings.batch_size, next_order))
 
     def _check_not_finalized(self):
         if self._finalized:
@@ -442,8 +435,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
     def _set_state(self, state):
         self._state = state
         self._error = None
-        if self._pipeline is not None:
-            self._pipeline.restart(self._state)
+        if self._executor is not None:
+            self._executor.restart(self._state)
 
     def __getstate__(self):
         state = {'current_position': self.current_position,
@@ -451,12 +444,10 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                  'order': self._state.order,
                  'next_order': self._state.next_order,
                  'previous_epoch_detail': self._previous_epoch_detail}
-        settings = {key: value for key, value in self.__dict__.items()
-                    if key in _SETTINGS}
-        return {'settings': settings, 'state': state}
+        return {'settings': self.settings, 'state': state}
 
     def __setstate__(self, pickled):
-        self.__dict__.update(pickled['settings'])
+        self.settings = pickled['settings']
         self._initialize()
         state = pickled['state']
         self._reset_state(state['current_position'], state['epoch'],
@@ -465,15 +456,9 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         self._previous_epoch_detail = state['previous_epoch_detail']
 
 
-_SETTINGS = ('dataset', 'batch_size', 'repeat', 'shuffle', 'n_processes',
-             'n_prefetch', 'shared_mem', 'dataset_timeout', 'maxtasksperchild',
-             'local_dir', 'n_copy_threads', 'n_copy_ahead', 'order_sampler',
-             'local_capacity', 'eviction_policy', 'next_epoch_cache_examples',
-             'next_epoch_cache_bytes')
-
-
-def _check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, numpy.integer)) \
-            or value < 1:
-        raise ValueError('{} must be a positive integer, got {!r}'.format(
-            name, value))
+_STORE_DEFAULTS = STORE_COUNTERS
+_ACCESS_COUNTS = ('examples_staged', 'examples_not_staged',
+                  'examples_from_local', 'examples_from_source',
+                  'examples_from_cache', 'examples_fallback')
+_EPOCH_COUNTS = ('examples_from_local', 'examples_from_source',
+                 'examples_from_cache', 'bytes_from_source', 'bytes_copied')

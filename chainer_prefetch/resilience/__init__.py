@@ -10,12 +10,21 @@
 * ``python -m chainer_prefetch.resilience.launcher``: checkpoint/restart
   (relaunches a failed ``mpirun`` job, which resumes from its snapshot).
 
-See ``docs/fault_tolerance.rst``.
+See ``docs/fault_tolerance.rst``.  Needs ``mpi4py`` and Open MPI:
+``pip install 'chainer_prefetch[mpi]'``.
 """
-from chainer_prefetch.resilience.errors import ProcessFailure  # NOQA
-from chainer_prefetch.resilience.errors import RecoveryFailed  # NOQA
-from chainer_prefetch.resilience.errors import UlfmUnavailable  # NOQA
-from chainer_prefetch.resilience.policy import LR_RULES  # NOQA
-from chainer_prefetch.resilience.ulfm import check_ulfm  # NOQA
-from chainer_prefetch.resilience.ulfm import ulfm_status  # NOQA
-from chainer_prefetch.resilience.watchdog import WatchdogSettings  # NOQA
+from chainer_prefetch._extras import require_extra
+
+require_extra('mpi', 'chainer_prefetch.resilience', ['mpi4py'])
+
+from chainer_prefetch.resilience.errors import (  # noqa: E402
+    ProcessFailure,
+    RecoveryFailed,
+    UlfmUnavailable,
+)
+from chainer_prefetch.resilience.policy import LR_RULES  # noqa: E402
+from chainer_prefetch.resilience.ulfm import check_ulfm, ulfm_status  # noqa: E402
+from chainer_prefetch.resilience.watchdog import WatchdogSettings  # noqa: E402
+
+__all__ = ['LR_RULES', 'ProcessFailure', 'RecoveryFailed', 'UlfmUnavailable',
+           'WatchdogSettings', 'check_ulfm', 'ulfm_status']

@@ -19,12 +19,14 @@ keep working.
 import atexit
 from typing import Any, Callable, List, Optional, Sequence, Union
 
-from mpi4py import MPI
-
 from chainermn.communicators.naive_communicator import NaiveCommunicator
+from mpi4py import MPI
 
 from chainer_prefetch.resilience.errors import ProcessFailure
 from chainer_prefetch.resilience.watchdog import Watchdog, WatchdogSettings
+
+_DEFAULT_WATCHDOG = WatchdogSettings()
+"""The watchdog's default settings (an immutable tuple, shared safely)."""
 
 FAILURE_CLASSES = frozenset(
     getattr(MPI, name) for name in
@@ -194,7 +196,7 @@ class FaultTolerantCommunicator(NaiveCommunicator):
 
     def __init__(self, mpi_comm: Optional[MPI.Comm] = None,
                  watchdog: Union[WatchdogSettings, Watchdog, None]
-                 = WatchdogSettings()):
+                 = _DEFAULT_WATCHDOG):
         if mpi_comm is None:
             mpi_comm = MPI.COMM_WORLD.Dup()
         mpi_comm.Set_errhandler(MPI.ERRORS_RETURN)

@@ -35,9 +35,8 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Union
 
-import numpy
-
 import chainer
+import numpy
 from chainer.serializers import DictionarySerializer, NpzDeserializer
 
 from chainer_prefetch.resilience import policy, recovery

@@ -1,4 +1,18 @@
-"""Stage 2: which files an example reads, and copying them to local storage."""
-from chainer_prefetch.staging.dataset_files import DatasetFiles, resolve_dataset_files  # NOQA
+"""Stage 2: which files an example reads, and making their local forms.
+
+* :mod:`.dataset_files`: the files behind Chainer's dataset wrappers (pure);
+* :mod:`.sources`: plain files and derived files, one interface;
+* :mod:`.local_directory`: the safe local directory (partial files, locks,
+  atomic renames, no symlink followed);
+* :mod:`.capacity`: the byte budget shared by every process of a directory;
+* :mod:`.local_store`: directory + budget + eviction policy, what stage 2
+  calls.
+"""
+from chainer_prefetch.errors import LocalStorageError, SourceFileError  # NOQA
+from chainer_prefetch.staging.dataset_files import (  # NOQA
+    DatasetFiles, resolve_dataset_files)
 from chainer_prefetch.staging.local_directory import (  # NOQA
-    LocalDirectory, LocalPathMap, LocalStorageError, SourceFileError)
+    LocalDirectory, LocalPathMap)
+from chainer_prefetch.staging.local_store import LocalStore  # NOQA
+from chainer_prefetch.staging.sources import (  # NOQA
+    DerivedFile, PlainFile, Source, as_source)

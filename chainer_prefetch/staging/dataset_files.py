@@ -22,7 +22,8 @@ Datasets understood without any help:
   above in its attributes and reads example ``i`` of them for its own example
   ``i``.
 
-Custom datasets take part through a two-method protocol::
+Custom datasets take part through a two-method protocol (plus one optional
+method)::
 
     class MyDataset(chainer.dataset.DatasetMixin):
         def example_files(self, i):
@@ -36,6 +37,18 @@ Custom datasets take part through a two-method protocol::
             clone.paths = [locate(p) for p in self.paths]
             return clone
 
+        def example_file_groups(self):      # optional
+            '''For each example, the number of the group of examples that
+            read the same files (e.g. the rows of one Parquet row group),
+            as an integer array; they are staged and evicted as one item.'''
+            return self.row_group_of_rows
+
+``example_files`` may name plain paths or
+:class:`~chainer_prefetch.staging.sources.Source` objects (a
+:class:`~chainer_prefetch.staging.sources.DerivedFile` for a local file made
+in another form).  It must be a pure query: the iterator calls it as often as
+it needs, from any thread.
+
 A dataset with no files anywhere in its tree resolves to ``None``: the
 iterator then needs no staging at all.
 """
@@ -45,9 +58,16 @@ import copy
 import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy
 from chainer.dataset import DatasetMixin
-from chainer.datasets import (ConcatenatedDataset, DictDataset, ImageDataset,
-                              LabeledImageDataset, SubDataset, TupleDataset)
+from chainer.datasets import (
+    ConcatenatedDataset,
+    DictDataset,
+    ImageDataset,
+    LabeledImageDataset,
+    SubDataset,
+    TupleDataset,
+)
 
 Locate = Callable[[str], str]
 
@@ -60,7 +80,15 @@ class DatasetFiles(abc.ABC):
 
     @abc.abstractmethod
     def files(self, index: int) -> Tuple[str, ...]:
-        """Paths (as the dataset opens them) of the files example ``index`` reads."""
+        """What example ``index`` reads: paths (as the dataset opens them) or sources."""
+
+    def item_of(self) -> Optional[numpy.ndarray]:
+        """For each example, the item it belongs to, or ``None`` if each is its own.
+
+        An item is what is staged and evicted as one: examples that read the
+        same files (the rows of a Parquet row group) share one.
+        """
+        return None
 
     @abc.abstractmethod
     def located(self, locate: Locate):
@@ -171,6 +199,10 @@ class _ProtocolFiles(DatasetFiles):
     def located(self, locate):
         return self._dataset.with_file_locations(locate)
 
+    def item_of(self):
+        groups = getattr(self._dataset, 'example_file_groups', None)
+        return None if groups is None else numpy.asarray(groups())
+
 
 class _ListedFiles(DatasetFiles):
     """Chainer's image datasets: a list of entries naming a path under a root."""
@@ -239,6 +271,16 @@ class _SubsetFiles(DatasetFiles):
         view._dataset = self._inner.located(locate)
         return view
 
+    def item_of(self):
+        inner = self._inner.item_of()
+        if inner is None:
+            return None
+        subset = self._subset
+        positions = numpy.arange(subset._start, subset._start + len(subset))
+        if subset._order is not None:
+            positions = numpy.asarray(subset._order)[positions]
+        return inner[positions]
+
 
 class _ConcatenatedFiles(DatasetFiles):
 
@@ -264,6 +306,20 @@ class _ConcatenatedFiles(DatasetFiles):
             for original, part in zip(self._dataset._datasets, self._parts))
         return view
 
+    def item_of(self):
+        parts = [None if part is None else part.item_of()
+                 for part in self._parts]
+        if all(items is None for items in parts):
+            return None
+        joined, offset = [], 0
+        for original, items in zip(self._dataset._datasets, parts):
+            if items is None:
+                items = numpy.arange(len(original))
+            joined.append(numpy.asarray(items, dtype=numpy.int64) + offset)
+            if len(joined[-1]):
+                offset = int(joined[-1].max()) + 1
+        return numpy.concatenate(joined)
+
 
 class _ZippedFiles(DatasetFiles):
     """Datasets read at the same index side by side (TupleDataset, DictDataset)."""
@@ -278,6 +334,11 @@ class _ZippedFiles(DatasetFiles):
         for member in self._members.values():
             found.extend(member.files(index))
         return tuple(found)
+
+    def item_of(self):
+        if len(self._members) != 1:
+            return None  # the files of several members are staged together
+        return next(iter(self._members.values())).item_of()
 
     def located(self, locate):
         view = copy.copy(self._dataset)

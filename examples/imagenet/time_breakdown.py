@@ -64,8 +64,7 @@ import time
 
 import chainer
 from chainer.dataset import convert
-from chainer.training import extension
-from chainer.training import updaters
+from chainer.training import extension, updaters
 
 COMPONENTS = ('load', 'forward', 'backward', 'allreduce', 'other')
 """The five components, in the paper's order reversed (bottom of a bar)."""

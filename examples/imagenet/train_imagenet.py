@@ -43,7 +43,17 @@ Notes:
   to ``naive`` (the only CPU-capable one in ChainerMN 7.8.1; ``flat`` needs
   CuPy).  With ``--gpu`` each rank uses GPU ``intra_rank`` and the
   communicator defaults to ``pure_nccl``; CuPy is imported only then.
-* Time breakdown (``time_breakdown.py``): every rank splits each
+* ``--loaderjob`` (loader processes per iterator) defaults to this rank's
+  share of the node's cores (``node_resources.py``): the cores it may run
+  on divided among the ranks of the node that share them, instead of
+  Chainer's one worker per core for every rank.
+* ``--pinned-copy`` (with ``--gpu``): the next minibatch is concatenated
+  into pinned host memory and copied to the GPU on a side stream while the
+  current one trains (``chainer_prefetch.device_copy``); a pass-through
+  on the CPU.
+* Time breakdown (``time_breakdown.py``, ``--time-breakdown``; off by
+  default, since on a GPU it synchronises the device at every phase
+  boundary and slows training): every rank splits each
   iteration's wall time into load (inside the iterator's ``next()``),
   forward, backward, allreduce (the communicator's gradient averaging) and
   other, sums them per epoch and writes ``OUT/time_breakdown_rank{R}.json``
@@ -70,21 +80,18 @@ import random
 import sys
 import time
 
-import numpy as np
-
 import chainer
+import chainermn
+import numpy as np
 from chainer import training
 from chainer.training import extensions
-import chainermn
 
-# ``models`` lives next to this script; make it importable however the
-# script is started (the forkserver children import this file as well).
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import ARCHS  # NOQA: E402
-from time_breakdown import COMPONENTS  # NOQA: E402
-from time_breakdown import install_time_breakdown  # NOQA: E402
-from time_breakdown import TimedUpdater  # NOQA: E402
-
+# ``models``, ``node_resources`` and ``time_breakdown`` live next to this
+# script: Python puts a script's folder first on its path (and the
+# forkserver's children inherit that path).
+from models import ARCHS
+from node_resources import cpus_available, default_loaderjob, node_cpu_sets
+from time_breakdown import COMPONENTS, TimedUpdater, install_time_breakdown
 
 CPU_COMMUNICATORS = ('naive',)
 """ChainerMN 7.8.1 communicators that work without CuPy."""
@@ -185,7 +192,8 @@ def parse_args(argv=None):
     parser.add_argument('--initmodel', help='initialise the model from an '
                                             'npz file')
     parser.add_argument('--loaderjob', '-j', type=int, default=None,
-                        help='data loading processes per iterator')
+                        help='data loading processes per iterator (default: '
+                             "this rank's share of the node's cores)")
     parser.add_argument('--mean', '-m', default=None,
                         help='mean image (.npy); if absent, subtract 128')
     parser.add_argument('--root', '-R', default='.',
@@ -224,6 +232,17 @@ def parse_args(argv=None):
                         default='forkserver',
                         help='multiprocessing start method (see the module '
                              'docstring)')
+    parser.add_argument('--maxtasksperchild', type=int, default=None,
+                        help='replace a loader process after this many '
+                             'tasks (both iterators; default: never)')
+    parser.add_argument('--time-breakdown', action='store_true',
+                        help='time load/forward/backward/allreduce/other of '
+                             'every iteration (synchronises the GPU at each '
+                             'phase) and write OUT/time_breakdown_rank*.json')
+    parser.add_argument('--pinned-copy', action='store_true',
+                        help='copy the next minibatch to the GPU through '
+                             'pinned memory on a side stream while the '
+                             'current one trains (a pass-through on the CPU)')
     parser.add_argument('--test', action='store_true',
                         help='log and validate every 10 iterations')
     parser.add_argument('--progress', action='store_true',
@@ -314,8 +333,31 @@ def parse_bytes(text):
     return int(value)
 
 
+def set_loaderjob(args, comm, collective=True):
+    """Fill in ``--loaderjob``: this rank's share of the node's cores.
+
+    With ``collective`` the ranks exchange their CPU sets (a collective call
+    of every rank); without, every rank of the node is assumed to share this
+    rank's CPUs (the fault-tolerant path, where a replacement joins later).
+    """
+    if collective:
+        own, node = node_cpu_sets(comm.mpi_comm.allgather)
+    else:
+        own = cpus_available()
+        node = [own] * comm.intra_size
+    chosen = args.loaderjob is None
+    if chosen:
+        args.loaderjob = default_loaderjob(own, node)
+    if comm.rank == 0:
+        print('Loader processes per rank: {} ({}; {} CPUs available to '
+              'rank 0, {} ranks on its node)'.format(
+                  args.loaderjob, 'default' if chosen else '--loaderjob',
+                  len(own), len(node)))
+
+
 def make_iterator(args, dataset, batch_size, train, order_sampler=None):
-    kwargs = dict(repeat=train, shuffle=train, n_processes=args.loaderjob)
+    kwargs = dict(repeat=train, shuffle=train, n_processes=args.loaderjob,
+                  maxtasksperchild=args.maxtasksperchild)
     if order_sampler is not None:
         kwargs.update(shuffle=None, order_sampler=order_sampler)
     if args.iterator == 'multiprocess':
@@ -361,6 +403,7 @@ def main(argv=None):
     else:
         device = chainer.get_device('@numpy')
     device.use()
+    set_loaderjob(args, comm)
 
     # Only rank 0 reads the lists; the shards are scattered below.
     mean = np.load(args.mean) if args.mean else None
@@ -407,6 +450,13 @@ def main(argv=None):
 
     train_iter = make_iterator(args, train, args.batchsize, True)
     val_iter = make_iterator(args, val, args.val_batchsize, False)
+    converter = chainer.dataset.concat_examples
+    if args.pinned_copy:
+        from chainer_prefetch.device_copy import StagedDeviceCopy
+        train_iter = StagedDeviceCopy(train_iter, device)
+        converter = train_iter.converter
+        if comm.rank == 0:
+            print('Pinned copy: {}'.format(train_iter.mode))
 
     optimizer = chainermn.create_multi_node_optimizer(
         chainer.optimizers.MomentumSGD(lr=lr, momentum=args.momentum), comm)
@@ -415,23 +465,32 @@ def main(argv=None):
         optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
             args.weight_decay))
 
-    # Times load / forward / backward / allreduce / other per iteration
-    # (see time_breakdown.py); on a GPU each phase ends with a device sync.
-    updater = TimedUpdater(
-        train_iter, optimizer, device=device,
-        synchronize=device.device.synchronize if args.gpu else None)
+    if args.time_breakdown:
+        # Times load / forward / backward / allreduce / other per iteration
+        # (see time_breakdown.py); on a GPU each phase ends with a sync.
+        updater = TimedUpdater(
+            train_iter, optimizer, converter=converter, device=device,
+            synchronize=device.device.synchronize if args.gpu else None)
+    else:
+        updater = training.updaters.StandardUpdater(
+            train_iter, optimizer, converter=converter, device=device)
     trainer = training.Trainer(updater, (args.epoch, 'epoch'), args.out)
-    install_time_breakdown(
-        trainer, updater,
-        os.path.join(args.out, 'time_breakdown_rank{}.json'.format(comm.rank)),
-        info=dict(rank=comm.rank, size=comm.size,
-                  intra_rank=comm.intra_rank, inter_size=comm.inter_size,
-                  iterator=args.iterator, arch=args.arch,
-                  batchsize=args.batchsize, crop_size=args.crop_size,
-                  loaderjob=args.loaderjob, copy_threads=args.copy_threads,
-                  local_dir=args.local_dir, root=args.root,
-                  train_examples=len(train), epochs=args.epoch),
-        clock_origin=main_started)
+    if args.time_breakdown:
+        install_time_breakdown(
+            trainer, updater,
+            os.path.join(args.out,
+                         'time_breakdown_rank{}.json'.format(comm.rank)),
+            info=dict(rank=comm.rank, size=comm.size,
+                      intra_rank=comm.intra_rank, inter_size=comm.inter_size,
+                      iterator=args.iterator, arch=args.arch,
+                      batchsize=args.batchsize, crop_size=args.crop_size,
+                      loaderjob=args.loaderjob,
+                      copy_threads=args.copy_threads,
+                      local_dir=args.local_dir, root=args.root,
+                      pinned_copy=args.pinned_copy,
+                      start_method=args.start_method,
+                      train_examples=len(train), epochs=args.epoch),
+            clock_origin=main_started)
 
     interval = (10, 'iteration') if args.test else (1, 'epoch')
     evaluator = extensions.Evaluator(val_iter, model, device=device)
@@ -448,7 +507,8 @@ def main(argv=None):
         trainer.extend(extensions.PrintReport([
             'epoch', 'iteration', 'main/loss', 'validation/main/loss',
             'main/accuracy', 'validation/main/accuracy', 'lr',
-            'elapsed_time'] + ['time/' + key for key in COMPONENTS]),
+            'elapsed_time'] + (['time/' + key for key in COMPONENTS]
+                               if args.time_breakdown else [])),
             trigger=interval)
         if args.progress:
             trainer.extend(extensions.ProgressBar(update_interval=10))
@@ -491,7 +551,8 @@ def train_fault_tolerant(args):
     started = time.time()
     if args.fault_tolerance != 'checkpoint':
         supervise()  # before MPI is initialised (the imports below)
-    from chainer_prefetch.resilience import recovery, training as ft_training
+    from chainer_prefetch.resilience import recovery
+    from chainer_prefetch.resilience import training as ft_training
     from chainer_prefetch.resilience.communicator import (
         FaultTolerantCommunicator, start_watchdog)
     from chainer_prefetch.resilience.errors import ProcessFailure
@@ -540,6 +601,7 @@ def train_fault_tolerant(args):
                  replacement=package is not None, started=started)
 
     device = chainer.get_device('@numpy')
+    set_loaderjob(args, comm, collective=False)
     model = chainer.links.Classifier(ARCHS[args.arch](n_class=n_class))
     lr = args.lr * args.batchsize * comm.size / 256.0
     optimizer = chainermn.create_multi_node_optimizer(

@@ -42,6 +42,6 @@ set -x
     "$PYTHON" "$REPO/examples/imagenet/train_imagenet.py" \
     "$TRAIN_LIST" "$VAL_LIST" --root "$DATA_ROOT" ${mean_args[@]+"${mean_args[@]}"} \
     --arch "$ARCH" --crop-size "$CROP_SIZE" --batchsize "$BATCHSIZE" \
-    --epoch "$EPOCHS" --loaderjob "$LOADERJOB" \
+    --epoch "$EPOCHS" --loaderjob "$LOADERJOB" --time-breakdown \
     --iterator "$ITERATOR" --local-dir "$LOCAL_DIR" \
     --copy-threads "$COPY_THREADS" $GPU_ARGS --out "$OUT" "$@"

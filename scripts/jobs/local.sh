@@ -9,7 +9,7 @@
 #
 # A tiny dataset for a try (from the repository root):
 #
-#     python scripts/make_dataset.py /tmp/tiny --n-images 64 --n-classes 4 \
+#     python -m chainer_prefetch_bench.testbed.jpeg_dataset /tmp/tiny --n-images 64 --n-classes 4 \
 #         --seed 0 --val-images 16
 #     DATA_ROOT=/tmp/tiny K=2 EPOCHS=1 bash scripts/jobs/local.sh
 #
@@ -57,6 +57,6 @@ set -x
     "$TRAIN_LIST" "$VAL_LIST" --root "$DATA_ROOT" ${mean_args[@]+"${mean_args[@]}"} \
     --arch "$ARCH" --crop-size "$CROP_SIZE" \
     --batchsize "$BATCHSIZE" --val_batchsize "$VAL_BATCHSIZE" \
-    --epoch "$EPOCHS" --loaderjob "$LOADERJOB" \
+    --epoch "$EPOCHS" --loaderjob "$LOADERJOB" --time-breakdown \
     --iterator "$ITERATOR" --local-dir "$LOCAL_DIR" \
     --copy-threads "$COPY_THREADS" --out "$OUT" "$@"

@@ -1,0 +1,502 @@
+"""The executor: carries out the scheduler's actions with threads, processes and memory.
+
+Roles (each a small class; the decisions are all in :mod:`._scheduler`)::
+
+    consumer (next())  --Consumed/Reset-->  events  <--Copied--  CopyThreads (stage 2)
+          ^                                   |      <--Loaded--  WorkerPool  (stage 3)
+          |                                   v
+       Mailbox  <--Deliver--  pipeline thread: scheduler.step(event) -> actions,
+                              each carried out here (Copy, Load, Hold, Deliver, ...)
+
+* The **pipeline thread** is the only one that touches the scheduler.  It
+  takes events from one queue, steps the scheduler (under a lock that only
+  guards that pure work, so ``stats`` can read consistent counters), and
+  carries out the actions; an action that answers at once (a cancelled copy,
+  a failed hold, a delivered batch measured) is fed back before the next
+  event.
+* **CopyThreads** run ``LocalStore.stage`` (stage 2); copying waits on I/O,
+  which releases the GIL, so threads add no process.
+* The **WorkerPool** runs the loader processes (stage 3).
+* **SharedBuffers**: anonymous shared memory (``memfd``), passed to the
+  loader processes as descriptors; it has no name in ``/dev/shm``, so it
+  does not depend on that file system's size and nothing is left behind
+  when the processes are killed.
+* The **Mailbox** holds delivered batches for ``next()``.
+
+Shutdown (:meth:`Executor.close`) has one deadline for everything: the
+pipeline thread, the copy threads (daemon threads: one stuck in a hung read
+of shared storage is abandoned, never waited for past the deadline), the
+loader processes (terminated, then killed) and the buffers.  Nothing that can
+block on I/O ever runs under a lock that ``next()`` takes.
+"""
+import collections
+import copy
+import dataclasses
+import mmap
+import os
+import queue
+import threading
+import time
+import warnings
+import weakref
+from typing import Any, Optional
+
+import numpy
+
+from chainer_prefetch.errors import WorkerDiedError, example_load_error
+from chainer_prefetch.iterators import _scheduler as s
+from chainer_prefetch.iterators import _worker
+from chainer_prefetch.iterators._worker_pool import TASKS_PER_WORKER, WorkerPool
+from chainer_prefetch.staging.sources import as_source
+
+#: Seconds the whole shutdown may take.
+STOP_SECONDS = 5.0
+_WAIT_SECONDS = 0.05
+
+_READ_FROM = {_worker.LOCAL: s.ReadFrom.LOCAL, _worker.SOURCE: s.ReadFrom.SOURCE,
+              _worker.FALLBACK: s.ReadFrom.FALLBACK}
+
+_live_executors = weakref.WeakSet()
+
+
+def _close_live_executors():
+    for executor in list(_live_executors):
+        executor.close()
+
+
+# Runs at interpreter exit (e.g. after Ctrl-C) before Python waits for
+# threads and children; forked loader processes run it too, and close()
+# acts only in the process that owns the executor.
+threading._register_atexit(_close_live_executors)
+
+
+class EndOfData:
+    """Delivered when ``repeat=False`` and the epoch is over (StopIteration)."""
+
+    def __init__(self, state):
+        self.state = state
+
+
+class Failure:
+    """Delivered in place of a batch that failed; ``next()`` raises ``error``."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+@dataclasses.dataclass(frozen=True)
+class _Crashed:
+    """A thread of the executor failed: the error reaches ``next()``."""
+
+    error: BaseException
+
+
+class Mailbox:
+    """Delivered items, from the pipeline thread to the consumer.
+
+    Items are tagged with the consumer's *generation*, which a reset
+    increments: an item of an earlier generation is dropped, never delivered.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._items = collections.deque()
+        self.generation = 0
+
+    def put(self, item, generation: int):
+        """Called from the pipeline thread."""
+        with self._cond:
+            if generation == self.generation:
+                self._items.append(item)
+                self._cond.notify_all()
+
+    def get(self, dataset_timeout, timeout_warning, alive) -> Any:
+        """Waits for the next item; ``EndOfData`` stays (it repeats, as StopIteration does).
+
+        Args:
+            dataset_timeout (float or None): Warn after waiting this long.
+            timeout_warning (type): The warning class to issue.
+            alive (callable): Whether the pipeline thread still runs.
+
+        Returns:
+            ``(batch, state)``, ``EndOfData`` or ``Failure``, and whether an
+            item was taken (``EndOfData`` is not).
+        """
+        started = time.perf_counter()
+        warned = False
+        with self._cond:
+            while not self._items:
+                if not alive():
+                    raise RuntimeError('the prefetch pipeline thread stopped')
+                self._cond.wait(_WAIT_SECONDS)
+                waited = time.perf_counter() - started
+                if (dataset_timeout is not None and not warned
+                        and waited > dataset_timeout):
+                    warned = True
+                    warnings.warn(
+                        'Stalled dataset is detected: no batch for {:.1f} s. '
+                        'Slow shared storage, a hung file system or a slow '
+                        'get_example are common causes.'.format(waited),
+                        timeout_warning)
+            item = self._items[0]
+            if isinstance(item, EndOfData):
+                return item, False
+            self._items.popleft()
+            return item, True
+
+    def restart(self) -> int:
+        """Drops everything delivered; returns the new generation (consumer side)."""
+        with self._cond:
+            self.generation += 1
+            self._items.clear()
+            return self.generation
+
+
+class CopyThreads:
+    """Threads that run stage-2 copies; a copy not started yet can be cancelled.
+
+    Args:
+        n_threads: How many.
+        run: ``run(copy_action) -> event``, called on a copy thread.
+        post: Where events go.
+    """
+
+    def __init__(self, n_threads: int, run, post):
+        self._run_copy = run
+        self._post = post
+        self._tasks = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued = {}  # copy id -> action, not started yet
+        self.threads = [threading.Thread(target=self._loop, daemon=True,
+                                         name='chainer_prefetch-copy-{}'.format(i))
+                        for i in range(n_threads)]
+        for thread in self.threads:
+            thread.start()
+
+    def submit(self, action: s.Copy):
+        with self._lock:
+            self._queued[action.copy_id] = action
+        self._tasks.put(action)
+
+    def cancel(self, copy_ids) -> tuple:
+        """Cancels the copies no thread has started; returns their ids."""
+        with self._lock:
+            return tuple(copy_id for copy_id in copy_ids
+                         if self._queued.pop(copy_id, None) is not None)
+
+    def stop(self):
+        """Asks every thread to stop after its current copy."""
+        with self._lock:
+            self._queued.clear()
+        for _ in self.threads:
+            self._tasks.put(None)
+
+    def _loop(self):
+        while True:
+            action = self._tasks.get()
+            if action is None:
+                return
+            with self._lock:
+                if self._queued.pop(action.copy_id, None) is None:
+                    continue  # cancelled
+            try:
+                event = self._run_copy(action)
+            except BaseException as error:  # a bug must reach next()
+                event = _Crashed(error)
+            self._post(event)
+
+
+class SharedBuffers:
+    """Anonymous shared memory for the batches being loaded (``memfd``).
+
+    Args:
+        pool: The loader processes to share the buffers with.
+    """
+
+    def __init__(self, pool: WorkerPool):
+        self._pool = pool
+        self._maps = []
+        self.example_bytes = 0
+
+    def allocate(self, count: int, example_bytes: int, batch_size: int
+                 ) -> Optional[str]:
+        """Allocates ``count`` buffers; returns why not (``None`` if allocated)."""
+        size = example_bytes * batch_size
+        maps, fds = [], []
+        try:
+            for _ in range(count):
+                fd = os.memfd_create('chainer_prefetch-batch', os.MFD_CLOEXEC)
+                fds.append(fd)
+                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)  # fail now, not with SIGBUS later
+                maps.append(mmap.mmap(fd, size))
+        except (OSError, AttributeError) as error:
+            for buffer in maps:
+                buffer.close()
+            for fd in fds:
+                os.close(fd)
+            return '{} x {} bytes of shared memory: {}'.format(
+                count, size, getattr(error, 'strerror', None) or error)
+        for key, fd in enumerate(fds):
+            self._pool.share_fd(key, fd)
+            os.close(fd)
+        self._maps = maps
+        self.example_bytes = example_bytes
+        return None
+
+    def copy_out(self, key: int, n_examples: int) -> numpy.ndarray:
+        """A private copy of the first ``n_examples`` regions of buffer ``key``."""
+        used = n_examples * self.example_bytes
+        return numpy.frombuffer(self._maps[key], numpy.uint8, used).copy()
+
+    def close(self):
+        for buffer in self._maps:
+            buffer.close()
+        self._maps = []
+
+
+class Executor:
+    """Runs the pipeline of one iterator; see the module docstring.
+
+    Args:
+        settings: The iterator's ``IteratorSettings``.
+        scheduler: The scheduler to drive.
+        store: The ``LocalStore``, or ``None`` without staging.
+        dataset_files: The dataset's files (``None`` without staging).
+        located_dataset: The view reading local copies, or ``None``.
+        stop_event: Set on close (interrupts waits for other processes' copies).
+    """
+
+    def __init__(self, settings, scheduler: s.Scheduler, store, dataset_files,
+                 located_dataset, stop_event: threading.Event):
+        self._settings = settings
+        self._scheduler = scheduler
+        self._store = store
+        self._files = dataset_files
+        self._located_dataset = located_dataset
+        self._stop_event = stop_event
+        self.mailbox = Mailbox()
+        self._events = queue.SimpleQueue()
+        self._step_lock = threading.Lock()
+        self._owner_pid = os.getpid()
+        self._closed = False
+        self._thread = None
+        self._copies = None
+        self._pool = None
+        self._buffers = None
+        self.pickled_examples = 0  # arrays that did not fit the buffers
+
+    # ---- life cycle -----------------------------------------------------------
+
+    def start(self):
+        """Starts the loader processes first (no thread of ours exists yet), then threads."""
+        settings = self._settings
+        local_root = (None if self._store is None
+                      else self._store.directory.data_root)
+        self._pool = WorkerPool(
+            settings.n_processes, _worker.initialize_worker,
+            (settings.dataset, self._located_dataset, local_root, self._files),
+            settings.maxtasksperchild)
+        self._buffers = SharedBuffers(self._pool)
+        if self._store is not None:
+            self._copies = CopyThreads(settings.n_copy_threads, self._copy,
+                                       self._events.put)
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name='chainer_prefetch-pipeline')
+        _live_executors.add(self)
+        self._events.put(s.Start())
+        self._thread.start()
+
+    def close(self, deadline: Optional[float] = None):
+        """Stops every thread and process and frees the buffers, by one deadline.
+
+        Idempotent, and a no-op in any process but the owner (a forked child
+        holds a copy of this object).
+        """
+        if os.getpid() != self._owner_pid or self._closed:
+            return
+        self._closed = True
+        if deadline is None:
+            deadline = time.monotonic() + STOP_SECONDS
+        self._stop_event.set()
+        self._events.put(None)
+        current = threading.current_thread()
+        if self._copies is not None:
+            self._copies.stop()
+        threads = ([self._thread] if self._thread is not None else []) + (
+            self._copies.threads if self._copies is not None else [])
+        for thread in threads:
+            if thread is not current:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        if self._pool is not None:
+            self._pool.close(deadline)
+        if self._buffers is not None:
+            self._buffers.close()
+
+    # ---- consumer side ---------------------------------------------------------
+
+    def get(self, dataset_timeout, timeout_warning):
+        """The next delivered item (see :meth:`Mailbox.get`)."""
+        item, taken = self.mailbox.get(dataset_timeout, timeout_warning,
+                                       self._thread.is_alive)
+        if taken:
+            self._events.put(s.Consumed(self.mailbox.generation))
+        return item
+
+    def restart(self, state):
+        """Discards everything in flight and continues from ``state``."""
+        generation = self.mailbox.restart()
+        self._events.put(s.Reset(state, generation))
+
+    def stats(self) -> tuple:
+        """Copies of the scheduler's counters: ``(counts, by_epoch, cache)``.
+
+        ``cache`` is the next-epoch cache's counters with ``held_bytes``, or
+        ``None`` without the cache.
+        """
+        with self._step_lock:
+            cache = self._scheduler.cache
+            return (dict(self._scheduler.counts),
+                    {epoch: dict(counts) for epoch, counts
+                     in self._scheduler.by_epoch.items()},
+                    None if cache is None else dict(
+                        cache.counters, held_bytes=cache.held_bytes))
+
+    # ---- the pipeline thread -----------------------------------------------------
+
+    def _run(self):
+        try:
+            while True:
+                event = self._events.get()
+                if event is None:
+                    return
+                if isinstance(event, _Crashed):
+                    raise event.error
+                pending = collections.deque([event])
+                while pending:
+                    with self._step_lock:
+                        actions = self._scheduler.step(pending.popleft())
+                    for action in actions:
+                        pending.extend(self._execute(action))
+        except BaseException as error:  # a bug must reach next(), not hang it
+            if not self._closed:
+                self.mailbox.put(Failure(error), self.mailbox.generation)
+
+    def _execute(self, action) -> list:
+        """Carries out one action; returns the events it answers at once."""
+        kind = type(action)
+        if kind is s.Load:
+            self._load(action)
+        elif kind is s.Copy:
+            self._copies.submit(action)
+        elif kind is s.Used:
+            self._store.used(action.item, action.access, action.next_use)
+        elif kind is s.Hold:
+            kept, lost = [], []
+            for position, item, access in action.entries:
+                (kept if self._store.hold(item, access) else lost).append(
+                    (position, item))
+            return [s.Held(action.batch_id, tuple(kept), tuple(lost))]
+        elif kind is s.Deliver:
+            return self._deliver(action)
+        elif kind is s.CancelCopies:
+            cancelled = self._copies.cancel(action.copy_ids)
+            if cancelled:
+                return [s.CopiesCancelled(cancelled)]
+        elif kind is s.AllocateBuffers:
+            return [self._allocate(action)]
+        elif kind is s.ForgetNextUses:
+            self._store.forget_next_uses()
+        else:
+            raise TypeError('unknown action {!r}'.format(action))
+        return []
+
+    def _copy(self, action: s.Copy) -> s.Copied:
+        """On a copy thread: stages one item."""
+        sources = [as_source(named) for named in self._files.files(action.index)]
+        result = self._store.stage(action.item, sources, action.access)
+        return s.Copied(action.copy_id, action.item, result.staged,
+                        result.bytes_read, result.evicted)
+
+    def _load(self, action: s.Load):
+        buffer = action.buffer
+        try:
+            self._pool.submit(
+                action.task_id, _worker.load_examples,
+                (action.entries, buffer,
+                 self._buffers.example_bytes if buffer is not None else 0),
+                self._loaded_callback(action))
+        except RuntimeError:  # closed while shutting down
+            pass
+
+    def _loaded_callback(self, action: s.Load):
+        def on_done(task_id, ok, value):
+            """On the worker pool's collector thread: turns answers into an event."""
+            if not ok:
+                value = [(None, value, None)]
+            results = []
+            for (position, index, _), answer in zip(action.entries, value):
+                read_from, example, detail = answer
+                if read_from is None:
+                    results.append(s.LoadFailure(self._load_error(
+                        index, example, detail)))
+                    break
+                results.append(s.LoadResult(example, _READ_FROM[read_from],
+                                            detail))
+            self._events.put(s.Loaded(task_id, tuple(results)))
+        return on_done
+
+    def _load_error(self, index, error, remote_traceback):
+        files = ()
+        if self._files is not None:
+            try:
+                files = tuple(map(str, self._files.files(index)))
+            except Exception:
+                pass
+        if isinstance(error, WorkerDiedError):
+            return WorkerDiedError(
+                'example {} (files: {}) could not be loaded: a loader process '
+                'died (killed, or out of memory?): {}'.format(
+                    index, ', '.join(files) or 'none known', error))
+        return example_load_error(error, index, files, remote_traceback)
+
+    def _allocate(self, action: s.AllocateBuffers) -> s.BuffersAllocated:
+        problem = self._buffers.allocate(action.count, action.example_bytes,
+                                         self._settings.batch_size)
+        if problem is None:
+            return s.BuffersAllocated(action.count)
+        warnings.warn('Shared memory for the loader processes is not available '
+                      '({}); examples travel by pickling instead, which is '
+                      'slower. Set shared_mem smaller, or free memory.'
+                      .format(problem), RuntimeWarning)
+        return s.BuffersAllocated(0)
+
+    def _deliver(self, action: s.Deliver) -> list:
+        generation = action.generation
+        if action.kind == 'end':
+            self.mailbox.put(EndOfData(action.state), generation)
+            return []
+        if action.kind == 'failure':
+            self.mailbox.put(Failure(action.error), generation)
+            return []
+        examples = action.examples
+        if action.buffer is not None:
+            memory = self._buffers.copy_out(action.buffer, len(examples))
+            examples = [_worker.unpack(example, memory) for example in examples]
+        self.mailbox.put((examples, action.state), generation)
+        answers = []
+        if action.measure:
+            answers.append(s.Measured(max(
+                (_worker.example_bytes(example) for example in examples),
+                default=0)))
+        if action.cache_wants:
+            answers.append(s.CacheOffers(tuple(
+                (index, epoch, copy.deepcopy(examples[position]),
+                 _worker.example_bytes(examples[position]))
+                for position, index, epoch in action.cache_wants)))
+        return answers
+
+
+def task_slots(n_processes: int) -> int:
+    """Load tasks the loader processes hold at once."""
+    return n_processes * TASKS_PER_WORKER

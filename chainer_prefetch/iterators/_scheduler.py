@@ -1,0 +1,882 @@
+"""Every decision of PrefetchMultiprocessIterator's pipeline, as a pure state machine.
+
+:class:`Scheduler` has no threads, no files and no processes:
+``step(event) -> actions``.  The executor (:mod:`._executor`) carries the
+actions out (copy threads, loader processes, shared memory, the consumer's
+mailbox) and feeds what happens back as events.  So every scheduling
+decision can be driven and checked by a unit test, deterministically.
+
+Accesses
+--------
+Stage 1 (Chainer's iterator state machine, :mod:`chainer_prefetch.policy.lookahead`)
+makes one index list per batch.  Each position of a batch is an *access*,
+numbered across epochs (``epoch * len(dataset) + position``), with a status::
+
+    PLANNED -> COPYING --copied---> STAGED ---> LOADING -> LOADED
+       |          '-----not staged-> SOURCE ---'       '---> FAILED
+       |-- known local --> (HOLDING) --> STAGED
+       |-- no local directory -----> SOURCE
+       '-- at dispatch, in the next-epoch cache --> CACHED
+
+* ``COPYING``: waiting for its item's copy (stage 2).  An *item* is what is
+  staged as one: the files of an example, or a Parquet row group shared by
+  many examples; accesses waiting for the same item share one copy.
+* ``HOLDING``: known to be local, with a capacity limit: waiting for the
+  store to confirm that it keeps the item until it is read (if it dropped
+  it meanwhile, the access is planned again).
+* ``STAGED``: read through the located view (local copies); ``SOURCE``: read
+  from shared storage (no local directory, the copy failed, the policy kept
+  the item out, or the batch became the next to deliver before its copy
+  started, with a capacity limit).
+* ``CACHED``: served by the next-epoch cache (:mod:`chainer_prefetch.policy.next_epoch_cache`).
+* A batch is *complete* when every access is ``LOADED`` or ``CACHED``, or one
+  ``FAILED``; it is then delivered, in order.
+
+Cursors
+-------
+Counted in batches since the last reset, and monotone between resets::
+
+    0 <= taken <= delivered <= generated
+    delivered - taken     <= n_prefetch        (the mailbox)
+    generated - delivered <= copy window <= n_copy_ahead
+    loads run only for batches < delivered + DECODE_WINDOW
+
+The copy window opens one batch per batch delivered ("slow start": at
+start-up, copies for batches far ahead would take bandwidth from those the
+first batch needs).  :meth:`Scheduler.check_invariants` asserts all of this.
+
+Shared memory
+-------------
+Loader processes write arrays into one of ``DECODE_WINDOW`` buffers, one per
+batch being loaded.  A buffer is reused only when its batch has been
+delivered (or discarded by a reset) *and* every load task writing into it has
+answered.
+"""
+import collections
+import dataclasses
+import enum
+import itertools
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+import numpy
+
+from chainer_prefetch.policy import lookahead
+from chainer_prefetch.policy.eviction import NEVER
+from chainer_prefetch.policy.future_uses import FutureUses
+from chainer_prefetch.policy.next_epoch_cache import NextEpochCache
+
+#: Batches whose examples load at the same time: two keep every worker busy
+#: across a batch boundary.
+DECODE_WINDOW = 2
+
+
+class Status(enum.Enum):
+    """Where an access is (see the module docstring)."""
+
+    PLANNED = 'planned'
+    COPYING = 'copying'
+    HOLDING = 'holding'
+    STAGED = 'staged'
+    SOURCE = 'source'
+    CACHED = 'cached'
+    LOADING = 'loading'
+    LOADED = 'loaded'
+    FAILED = 'failed'
+
+
+class ReadFrom(enum.Enum):
+    """Where stage 3 read an example."""
+
+    LOCAL = 'local'
+    SOURCE = 'source'
+    FALLBACK = 'fallback'  #: local copy unreadable (evicted meanwhile): source
+
+
+# ---- events: what the executor reports ---------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """The pipeline starts (buffers of a given ``shared_mem`` are allocated now)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Consumed:
+    """The consumer took one delivered item from the mailbox."""
+
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Reset:
+    """The consumer reset the iterator (``reset()``, ``serialize()``)."""
+
+    state: lookahead.LookaheadState
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Copied:
+    """A copy finished (stage 2) for ``item``."""
+
+    copy_id: int
+    item: int
+    staged: bool
+    bytes_read: int = 0
+    evicted: Tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class CopiesCancelled:
+    """These copies were cancelled before a thread started them."""
+
+    copy_ids: Tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """The answer to :class:`Hold`: ``(position, item)`` the store keeps, and those it lost."""
+
+    batch_id: int
+    kept: Tuple[Tuple[int, int], ...]
+    lost: Tuple[Tuple[int, int], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadResult:
+    """One example loaded by stage 3."""
+
+    example: Any
+    read_from: ReadFrom
+    source_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadFailure:
+    """One example that failed to load; ``error`` is what ``next()`` raises."""
+
+    error: BaseException
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """A load task answered: one result per position, in order.
+
+    A task stops at its first failure: positions after it have no result.
+    """
+
+    task_id: int
+    results: Tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """The first delivered batch was measured: the largest example's bytes."""
+
+    example_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BuffersAllocated:
+    """The executor allocated this many shared-memory buffers (0: none possible)."""
+
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOffers:
+    """Copies of delivered examples for the next-epoch cache: (index, epoch, example, bytes)."""
+
+    offers: Tuple[Tuple[int, int, Any, int], ...]
+
+
+# ---- actions: what the scheduler asks for -------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """Stage ``item`` (the files of example ``index``) for access ``access``."""
+
+    copy_id: int
+    item: int
+    index: int
+    access: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CancelCopies:
+    """Cancel these copies if no thread started them (answer: :class:`CopiesCancelled`)."""
+
+    copy_ids: Tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Hold:
+    """Keep items in the local store until they are used (answer: :class:`Held`).
+
+    ``entries`` are ``(position, item, access)``.
+    """
+
+    batch_id: int
+    entries: Tuple[Tuple[int, int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Used:
+    """Stage 3 read ``item`` for ``access``; it is next needed at ``next_use``."""
+
+    item: int
+    access: int
+    next_use: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """Load examples in a loader process: ``entries`` are (position, index, read_local)."""
+
+    task_id: int
+    batch_id: int
+    entries: Tuple[Tuple[int, int, bool], ...]
+    buffer: Optional[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocateBuffers:
+    """Allocate ``count`` shared-memory buffers of ``example_bytes`` per example."""
+
+    count: int
+    example_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Deliver:
+    """Put a delivered item into the consumer's mailbox.
+
+    ``kind`` is ``'batch'`` (``examples`` as loaded, to unpack from
+    ``buffer``), ``'end'`` (``repeat=False`` and the epoch is over) or
+    ``'failure'`` (``error``).  ``cache_wants`` lists ``(position, index,
+    epoch)`` of the examples the next-epoch cache wants a copy of (answer:
+    :class:`CacheOffers`); ``measure`` asks for a :class:`Measured` answer.
+    """
+
+    kind: str
+    generation: int
+    state: Optional[lookahead.LookaheadState] = None
+    examples: Optional[List[Any]] = None
+    buffer: Optional[int] = None
+    error: Optional[BaseException] = None
+    cache_wants: Tuple[Tuple[int, int, int], ...] = ()
+    measure: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ForgetNextUses:
+    """The order was reset: the local store's next uses are unknown now."""
+
+
+# ---- configuration ------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler needs to know (all fixed for the iterator's life).
+
+    Args:
+        batch_size, repeat, order_sampler, n_prefetch, n_copy_ahead,
+        maxtasksperchild: As for the iterator.
+        dataset_length: Examples in the dataset.
+        n_processes: Loader processes.
+        task_slots: Load tasks the loader processes hold at once.
+        staging: Whether a local directory is in use.
+        limited: Whether it has a capacity limit (then next uses are
+            tracked, and the next batch to deliver reads from the source
+            what no copy thread has started, unless items are shared).
+        item_of: For each example, its item (``None``: the example is the item).
+        example_bytes: ``shared_mem`` (``None``: measure the first batch).
+        revalidate_each_epoch: A copy known local in one epoch is staged
+            again (its source re-checked) in the next.
+    """
+
+    batch_size: int
+    repeat: bool
+    order_sampler: Optional[Callable]
+    dataset_length: int
+    n_processes: int
+    n_prefetch: int = 1
+    n_copy_ahead: int = 16
+    task_slots: int = 4
+    maxtasksperchild: Optional[int] = None
+    staging: bool = False
+    limited: bool = False
+    item_of: Optional[numpy.ndarray] = None
+    example_bytes: Optional[int] = None
+    revalidate_each_epoch: bool = False
+
+
+class _Batch:
+    """A batch between stage 1 and delivery."""
+
+    def __init__(self, batch_id, indices, state, first_access):
+        self.id = batch_id
+        self.indices = indices
+        self.state = state
+        self.first_access = first_access
+        size = len(indices)
+        self.status = [Status.PLANNED] * size
+        self.results: List[Any] = [None] * size
+        self.next_uses: Optional[List[float]] = None
+        self.ready_local: List[int] = []  # STAGED, not dispatched
+        self.ready_source: List[int] = []  # SOURCE, not dispatched
+        self.waiting = 0  # accesses in COPYING or HOLDING
+        self.holds: List[Tuple[int, int, int]] = []  # Hold entries to send
+        self.done = 0  # accesses LOADED or CACHED
+        self.outstanding = 0  # load tasks not answered
+        self.dispatched = False  # a load task was sent
+        self.buffer: Optional[int] = None
+        self.error: Optional[BaseException] = None
+        self.discarded = False
+        self.head_copies_cancelled = False
+
+    @property
+    def size(self) -> int:
+        return len(self.indices)
+
+    @property
+    def complete(self) -> bool:
+        return self.error is not None or self.done == self.size
+
+    def access(self, position: int) -> int:
+        return self.first_access + position
+
+
+class _Marker:
+    """An in-flight entry that is not a batch: end of data, or stage 1's failure."""
+
+    def __init__(self, kind, state=None, error=None):
+        self.kind = kind
+        self.state = state
+        self.error = error
+
+
+class _CopyState:
+    """A copy in flight and the accesses waiting for it."""
+
+    def __init__(self, copy_id: int, access: int):
+        self.copy_id = copy_id
+        self.access = access  # the access it was started for
+        self.waiters: List[Tuple[int, int]] = []  # (batch id, position)
+
+
+class Scheduler:
+    """The pipeline's decisions; see the module docstring.
+
+    Args:
+        config: The fixed parameters.
+        state: The iterator state to start from.
+        cache: The next-epoch cache, or ``None``.
+    """
+
+    def __init__(self, config: SchedulerConfig,
+                 state: lookahead.LookaheadState,
+                 cache: Optional[NextEpochCache] = None):
+        self.config = config
+        self.cache = cache
+        self._state = state
+        self._generation = 0
+        self._ids = itertools.count()
+        self._in_flight: Deque[Any] = collections.deque()  # batches, markers
+        self._batches: Dict[int, _Batch] = {}  # in flight, and discarded ones still loading
+        self._tasks: Dict[int, Tuple[int, Tuple[int, ...]]] = {}  # task -> (batch, positions)
+        self._copying: Dict[int, _CopyState] = {}  # item -> copy in flight
+        self._copy_items: Dict[int, int] = {}  # copy id -> item
+        self._holding: Dict[int, _Batch] = {}  # batches with Hold entries to send
+        self._exhausted = False
+        self.taken = self.delivered = self.generated = 0
+        self._delivered_ever = 0  # batches delivered since the start (slow start)
+        self._example_bytes = config.example_bytes
+        self._buffers_requested = False
+        self._buffer_count: Optional[int] = None  # None: not allocated yet
+        self._free_buffers: List[int] = []
+        self._cache_epoch = -1  # the cache dropped what epochs before this left
+        self._measure_next = config.example_bytes is None
+        n_items = (config.dataset_length if config.item_of is None
+                   else int(config.item_of.max()) + 1 if len(config.item_of)
+                   else 0)
+        # Epoch in which each item was last known to have current local
+        # copies (-1: not known).
+        self._known_local = numpy.full(n_items, -1, dtype=numpy.int32)
+        self._future = (FutureUses(config.dataset_length, config.item_of)
+                        if config.limited else None)
+        self.counts = collections.Counter()
+        self.by_epoch: Dict[int, collections.Counter] = collections.defaultdict(
+            collections.Counter)
+        self._actions: List[Any] = []
+
+    # ---- the one entry point -------------------------------------------------
+
+    def step(self, event) -> List[Any]:
+        """Takes one event and returns the actions it leads to, in order."""
+        self._actions = []
+        handler = getattr(self, '_on_' + type(event).__name__)
+        handler(event)
+        self._advance()
+        actions, self._actions = self._actions, []
+        return actions
+
+    def check_invariants(self):
+        """Asserts the cursor invariants of the module docstring."""
+        config = self.config
+        assert 0 <= self.taken <= self.delivered <= self.generated, (
+            self.taken, self.delivered, self.generated)
+        assert self.delivered - self.taken <= config.n_prefetch
+        assert self.generated - self.delivered <= self._copy_window()
+        assert self._copy_window() <= config.n_copy_ahead
+        assert len(self._in_flight) == self.generated - self.delivered
+        for offset, entry in enumerate(self._in_flight):
+            if isinstance(entry, _Batch) and offset >= DECODE_WINDOW:
+                assert not entry.dispatched, 'load outside the decode window'
+        for entry in self._in_flight:
+            if isinstance(entry, _Batch):
+                assert entry.waiting == (entry.status.count(Status.COPYING)
+                                         + entry.status.count(Status.HOLDING))
+
+    # ---- event handlers -------------------------------------------------------
+
+    def _on_Start(self, event):
+        if self._example_bytes:
+            self._request_buffers()
+        elif self._example_bytes == 0:
+            self._buffer_count = 0  # shared_mem=0: arrays are pickled
+
+    def _on_Consumed(self, event):
+        if event.generation == self._generation:
+            self.taken += 1
+
+    def _on_Reset(self, event):
+        for entry in self._in_flight:
+            if isinstance(entry, _Batch):
+                self._discard(entry)
+        self._in_flight.clear()
+        if self._copying:
+            self._emit(CancelCopies(tuple(
+                copy.copy_id for copy in self._copying.values())))
+        self._copying.clear()
+        if self._future is not None:
+            self._future.clear()
+            self._emit(ForgetNextUses())
+        if self.cache is not None:
+            self.cache.clear()
+            self._cache_epoch = -1
+        self._state = event.state
+        self._generation = event.generation
+        self._exhausted = False
+        self.taken = self.delivered = self.generated = 0
+
+    def _on_Copied(self, event):
+        for item in event.evicted:
+            self._known_local[item] = -1
+        self._copy_items.pop(event.copy_id, None)
+        copy = self._copying.get(event.item)
+        if copy is None or copy.copy_id != event.copy_id:
+            # Reset meanwhile: end the store's hold for the lost access.
+            if event.staged and self.config.limited:
+                self._emit(Used(event.item, 0, NEVER))
+            return
+        del self._copying[event.item]
+        epoch = self._epoch_of(copy.access)
+        self.by_epoch[epoch]['bytes_copied'] += event.bytes_read
+        if event.staged:
+            self._known_local[event.item] = epoch
+        for batch, position in self._live_waiters(copy):
+            if (event.staged and self.config.limited
+                    and batch.access(position) != copy.access):
+                # The store held the item once, for the access it staged.
+                self._hold(batch, position, event.item)
+            else:
+                self._set_ready(batch, position, local=event.staged)
+
+    def _on_CopiesCancelled(self, event):
+        for copy_id in event.copy_ids:
+            item = self._copy_items.pop(copy_id, None)
+            copy = self._copying.get(item)
+            if copy is None or copy.copy_id != copy_id:
+                continue
+            del self._copying[item]
+            head = self._head_batch()
+            replan = []
+            for batch, position in self._live_waiters(copy):
+                if batch is head:
+                    self._set_ready(batch, position, local=False)
+                else:
+                    batch.waiting -= 1
+                    batch.status[position] = Status.PLANNED
+                    replan.append((batch, position))
+            for batch, position in replan:
+                self._plan(batch, position)
+
+    def _on_Held(self, event):
+        batch = self._batches.get(event.batch_id)
+        if batch is None or batch.discarded:
+            for _, item in event.kept:  # end the holds of lost accesses
+                self._emit(Used(item, 0, NEVER))
+            return
+        for position, _ in event.kept:
+            self._set_ready(batch, position, local=True)
+        for position, item in event.lost:
+            self._known_local[item] = -1
+            batch.waiting -= 1
+            batch.status[position] = Status.PLANNED
+            self._plan(batch, position)
+
+    def _on_Loaded(self, event):
+        batch_id, positions = self._tasks.pop(event.task_id)
+        batch = self._batches[batch_id]
+        batch.outstanding -= 1
+        if batch.discarded:
+            self._release_if_idle(batch)
+            return
+        for offset, position in enumerate(positions):
+            result = event.results[offset] if offset < len(event.results) else None
+            if not isinstance(result, LoadResult):
+                batch.status[position] = Status.FAILED
+                if batch.error is None:
+                    batch.error = (result.error if isinstance(result, LoadFailure)
+                                   else RuntimeError('load task ended early'))
+                continue
+            batch.status[position] = Status.LOADED
+            batch.results[position] = result.example
+            batch.done += 1
+            self._count_load(batch, position, result)
+
+    def _on_Measured(self, event):
+        if self._example_bytes is None:
+            self._example_bytes = event.example_bytes
+            if event.example_bytes:
+                self._request_buffers()
+            else:
+                self._buffer_count = 0  # examples without arrays
+
+    def _on_BuffersAllocated(self, event):
+        self._buffer_count = event.count
+        self._free_buffers = list(range(event.count))
+
+    def _on_CacheOffers(self, event):
+        for index, epoch, example, n_bytes in event.offers:
+            self.cache.offer(index, epoch, example, n_bytes)
+
+    # ---- moving things along ------------------------------------------------
+
+    def _advance(self):
+        while True:
+            self._generate()
+            self._cancel_head_copies()
+            self._dispatch()
+            delivered = self._deliver()
+            if delivered != 'more':
+                # Stop after a delivery that expects an answer (cache offers,
+                # the measured size): it is fed back before the next event,
+                # so the next batches are dispatched with it.
+                self._send_holds()
+                return
+
+    def _copy_window(self) -> int:
+        return min(self.config.n_copy_ahead,
+                   DECODE_WINDOW + self._delivered_ever)
+
+    def _generate(self):
+        """Stage 1 up to the copy window; plans staging for each new access."""
+        config = self.config
+        while (not self._exhausted
+               and self.generated - self.delivered < self._copy_window()):
+            first_access = (self._state.epoch * config.dataset_length
+                            + self._state.current_position)
+            try:
+                self._state, indices = lookahead.lookahead_statemachine(
+                    self._state, config.batch_size, config.repeat,
+                    config.order_sampler, config.dataset_length)
+                self._register_orders()
+            except Exception as error:
+                self._push(_Marker('failure', error=error))
+                self._exhausted = True
+                return
+            if indices is None:
+                self._push(_Marker('end', state=self._state))
+                self._exhausted = True
+                return
+            batch = _Batch(next(self._ids), indices, self._state, first_access)
+            self._batches[batch.id] = batch
+            self._push(batch)
+            if self._future is not None:
+                batch.next_uses = [
+                    self._future.following_use(self._item(int(index)),
+                                               batch.access(position))
+                    for position, index in enumerate(indices)]
+            for position in range(batch.size):
+                self._plan(batch, position)
+
+    def _register_orders(self):
+        """Tells the future uses and the cache the orders of this epoch and the next."""
+        for epoch in (self._state.epoch, self._state.epoch + 1):
+            order = lookahead.order_of_epoch(self._state, epoch,
+                                             self.config.dataset_length)
+            if order is None:
+                continue
+            if self._future is not None:
+                self._future.add_epoch(epoch, order)
+            if self.cache is not None and epoch > 0:
+                self.cache.plan(epoch, order)
+
+    def _plan(self, batch, position):
+        """Decides how one planned access gets its data."""
+        index = int(batch.indices[position])
+        access = batch.access(position)
+        if not self.config.staging or (self.cache is not None and self.cache.holds(
+                index, self._epoch_of(access))):
+            self._set_ready(batch, position, local=False, counted=False)
+            return
+        item = self._item(index)
+        known = self._known_local[item]
+        epoch = self._epoch_of(access)
+        if known >= 0 and (known == epoch
+                           or not self.config.revalidate_each_epoch):
+            if self.config.limited:
+                self._hold(batch, position, item)
+            else:
+                self._set_ready(batch, position, local=True)
+            return
+        copy = self._copying.get(item)
+        if copy is None:
+            copy = self._copying[item] = _CopyState(next(self._ids), access)
+            self._copy_items[copy.copy_id] = item
+            self._emit(Copy(copy.copy_id, item, index, access))
+        copy.waiters.append((batch.id, position))
+        batch.status[position] = Status.COPYING
+        batch.waiting += 1
+
+    def _hold(self, batch, position, item):
+        """Asks the store to keep ``item`` for this access (sent by :meth:`_send_holds`)."""
+        if batch.status[position] is not Status.COPYING:
+            batch.waiting += 1
+        batch.status[position] = Status.HOLDING
+        batch.holds.append((position, item, batch.access(position)))
+        self._holding[batch.id] = batch
+
+    def _send_holds(self):
+        for batch in self._holding.values():
+            self._emit(Hold(batch.id, tuple(batch.holds)))
+            batch.holds = []
+        self._holding.clear()
+
+    def _set_ready(self, batch, position, local, counted=True):
+        if batch.status[position] in (Status.COPYING, Status.HOLDING):
+            batch.waiting -= 1
+        batch.status[position] = Status.STAGED if local else Status.SOURCE
+        (batch.ready_local if local else batch.ready_source).append(position)
+        if counted:
+            self.counts['examples_staged' if local else 'examples_not_staged'] += 1
+
+    def _cancel_head_copies(self):
+        """With a capacity limit, the next batch to deliver does not wait for unstarted copies.
+
+        Not for items shared by many examples (row groups): reading one
+        from the source would read all of it in each loader process.
+        """
+        head = self._head_batch()
+        if (not self.config.limited or self.config.item_of is not None
+                or head is None or head.waiting == 0
+                or head.head_copies_cancelled):
+            return
+        head.head_copies_cancelled = True
+        copy_ids = {self._copying[self._item(int(head.indices[position]))].copy_id
+                    for position, status in enumerate(head.status)
+                    if status is Status.COPYING}
+        self._emit(CancelCopies(tuple(sorted(copy_ids))))
+
+    def _dispatch(self):
+        """Stage 3 for the batches in the decode window."""
+        for offset, entry in enumerate(self._in_flight):
+            if offset == DECODE_WINDOW or not isinstance(entry, _Batch):
+                return
+            if entry.error is None:
+                self._dispatch_batch(entry)
+
+    def _dispatch_batch(self, batch):
+        if self.cache is not None:
+            for ready in (batch.ready_local, batch.ready_source):
+                ready[:] = [position for position in ready
+                            if not self._take_from_cache(batch, position)]
+        if not (batch.ready_local or batch.ready_source):
+            return
+        if batch.buffer is None and not batch.dispatched:
+            if self._free_buffers:
+                batch.buffer = self._free_buffers.pop()
+            elif self._buffers_requested and self._buffer_count != 0:
+                return  # wait: buffers are being allocated, or all in use
+        for position in batch.ready_source:  # slow reads: one per task
+            self._load(batch, (position,))
+        batch.ready_source = []
+        self._dispatch_local(batch)
+
+    def _dispatch_local(self, batch):
+        """Examples read locally go several per task, one task per worker.
+
+        While the loader processes have free task slots, everything ready
+        goes at once (the workers would idle otherwise); while they are
+        busy, ready examples gather until a task is worth a worker's share
+        of the batch.  With ``maxtasksperchild`` a task is one example, so
+        that limit keeps counting examples.
+        """
+        config = self.config
+        ready = batch.ready_local
+        if not ready:
+            return
+        share = -(-batch.size // config.n_processes)
+        if config.maxtasksperchild is not None:
+            size = 1
+        elif (len(self._tasks) < config.task_slots or len(ready) >= share
+              or batch.waiting == 0):
+            size = max(1, min(share, -(-len(ready) // config.n_processes)))
+        else:
+            return
+        for start in range(0, len(ready), size):
+            self._load(batch, tuple(ready[start:start + size]))
+        batch.ready_local = []
+
+    def _load(self, batch, positions):
+        task_id = next(self._ids)
+        entries = []
+        for position in positions:
+            entries.append((position, int(batch.indices[position]),
+                            batch.status[position] is Status.STAGED))
+            batch.status[position] = Status.LOADING
+        self._tasks[task_id] = (batch.id, positions)
+        batch.outstanding += 1
+        batch.dispatched = True
+        self._emit(Load(task_id, batch.id, tuple(entries), batch.buffer))
+
+    def _take_from_cache(self, batch, position) -> bool:
+        index = int(batch.indices[position])
+        access = batch.access(position)
+        epoch = self._epoch_of(access)
+        if epoch > self._cache_epoch:  # what earlier epochs left is useless
+            self._cache_epoch = epoch
+            self.cache.forget_before(epoch)
+        example = self.cache.take(index, epoch)
+        if example is None:
+            return False
+        batch.status[position] = Status.CACHED
+        batch.results[position] = example
+        batch.done += 1
+        self.counts['examples_from_cache'] += 1
+        self.by_epoch[epoch]['examples_from_cache'] += 1
+        self._emit_used(batch, position)
+        return True
+
+    def _deliver(self) -> str:
+        """Delivers the head if it is complete and the mailbox has room.
+
+        Returns:
+            ``'more'`` after a delivery, ``'answer'`` after one that expects
+            an answer, ``''`` when nothing could be delivered.
+        """
+        if not self._in_flight or (
+                self.delivered - self.taken >= self.config.n_prefetch):
+            return ''
+        head = self._in_flight[0]
+        outcome = 'more'
+        if isinstance(head, _Marker):
+            self._emit(Deliver(head.kind, self._generation, state=head.state,
+                               error=head.error))
+        elif not head.complete:
+            return ''
+        elif head.error is not None:
+            self._emit(Deliver('failure', self._generation, error=head.error))
+            self._discard(head)
+        else:
+            action = Deliver('batch', self._generation, state=head.state,
+                             examples=head.results, buffer=head.buffer,
+                             cache_wants=self._cache_wants(head),
+                             measure=self._measure_next)
+            self._emit(action)
+            if action.cache_wants or action.measure:
+                outcome = 'answer'
+            self._measure_next = False
+            head.results = None
+            self._discard(head)
+        self._in_flight.popleft()
+        self.delivered += 1
+        self._delivered_ever += 1
+        return outcome
+
+    def _cache_wants(self, batch) -> Tuple[Tuple[int, int, int], ...]:
+        if self.cache is None:
+            return ()
+        wants = []
+        for position, index in enumerate(batch.indices):
+            epoch = self._epoch_of(batch.access(position)) + 1
+            if self.cache.wants(int(index), epoch):
+                wants.append((position, int(index), epoch))
+        return tuple(wants)
+
+    # ---- helpers -------------------------------------------------------------
+
+    def _emit(self, action):
+        self._actions.append(action)
+
+    def _emit_used(self, batch, position):
+        if self.config.limited:
+            self._emit(Used(self._item(int(batch.indices[position])),
+                            batch.access(position), batch.next_uses[position]))
+
+    def _push(self, entry):
+        self._in_flight.append(entry)
+        self.generated += 1
+
+    def _head_batch(self) -> Optional[_Batch]:
+        if self._in_flight and isinstance(self._in_flight[0], _Batch):
+            return self._in_flight[0]
+        return None
+
+    def _item(self, index: int) -> int:
+        item_of = self.config.item_of
+        return index if item_of is None else int(item_of[index])
+
+    def _epoch_of(self, access: int) -> int:
+        return access // self.config.dataset_length
+
+    def _count_load(self, batch, position, result):
+        epoch = self._epoch_of(batch.access(position))
+        counts = self.by_epoch[epoch]
+        if result.read_from is ReadFrom.LOCAL:
+            self.counts['examples_from_local'] += 1
+            counts['examples_from_local'] += 1
+        else:
+            self.counts['examples_from_source'] += 1
+            counts['examples_from_source'] += 1
+            counts['bytes_from_source'] += result.source_bytes
+        if result.read_from is ReadFrom.FALLBACK:
+            self.counts['examples_fallback'] += 1
+            self._known_local[self._item(int(batch.indices[position]))] = -1
+        self._emit_used(batch, position)
+
+    def _discard(self, batch):
+        """Takes ``batch`` out of the pipeline (delivered, failed or reset)."""
+        batch.discarded = True
+        self._release_if_idle(batch)
+
+    def _release_if_idle(self, batch):
+        if not batch.discarded or batch.outstanding:
+            return
+        if batch.buffer is not None:
+            self._free_buffers.append(batch.buffer)
+            batch.buffer = None
+        self._batches.pop(batch.id, None)
+
+    def _request_buffers(self):
+        if not self._buffers_requested:
+            self._buffers_requested = True
+            self._emit(AllocateBuffers(DECODE_WINDOW, self._example_bytes))
+
+    def _live_waiters(self, copy):
+        """The accesses waiting for ``copy`` whose batch is still in flight."""
+        for batch_id, position in copy.waiters:
+            batch = self._batches.get(batch_id)
+            if batch is not None and not batch.discarded:
+                yield batch, position

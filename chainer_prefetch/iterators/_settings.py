@@ -1,0 +1,90 @@
+"""The options of PrefetchMultiprocessIterator, validated once, in one frozen object."""
+import dataclasses
+import multiprocessing
+from typing import Any, Callable, Optional
+
+import numpy
+from chainer.iterators.order_samplers import ShuffleOrderSampler
+
+from chainer_prefetch.policy.eviction import STRATEGIES
+
+
+@dataclasses.dataclass(frozen=True)
+class IteratorSettings:
+    """Every option of :class:`~chainer_prefetch.PrefetchMultiprocessIterator`.
+
+    The fields are the iterator's arguments (documented there).  After
+    construction ``order_sampler`` is the sampler in use (``shuffle`` turned
+    into a ``ShuffleOrderSampler``, or ``None`` for index order) and
+    ``n_processes`` a number.
+
+    Raises:
+        ValueError: an option is out of range, or both ``shuffle`` and
+            ``order_sampler`` are given.
+    """
+
+    dataset: Any
+    batch_size: int
+    repeat: bool = True
+    shuffle: Optional[bool] = None
+    n_processes: Optional[int] = None
+    n_prefetch: int = 1
+    shared_mem: Optional[int] = None
+    order_sampler: Optional[Callable] = None
+    dataset_timeout: Optional[float] = 30.0
+    maxtasksperchild: Optional[int] = None
+    local_dir: Optional[str] = None
+    n_copy_threads: int = 16
+    n_copy_ahead: int = 16
+    local_capacity: Optional[int] = None
+    eviction_policy: str = 'belady'
+    next_epoch_cache_examples: Optional[int] = None
+    next_epoch_cache_bytes: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ('batch_size', 'n_copy_threads', 'n_copy_ahead'):
+            _check_positive_int(name, getattr(self, name))
+        for name in ('n_processes', 'maxtasksperchild', 'local_capacity',
+                     'next_epoch_cache_examples', 'next_epoch_cache_bytes'):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if self.shared_mem is not None and self.shared_mem != 0:
+            _check_positive_int('shared_mem', self.shared_mem)
+        if self.eviction_policy not in STRATEGIES:
+            raise ValueError('eviction_policy must be one of {}, got {!r}'
+                             .format(', '.join(STRATEGIES), self.eviction_policy))
+        sampler = self.order_sampler
+        if self.shuffle is not None:
+            if sampler is not None:
+                raise ValueError('`shuffle` is not `None` and a custom '
+                                 '`order_sampler` is set. Please set '
+                                 '`shuffle` to `None` to use the custom '
+                                 'order sampler.')
+            if self.shuffle:
+                sampler = ShuffleOrderSampler()
+        elif sampler is None:
+            sampler = ShuffleOrderSampler()
+        object.__setattr__(self, 'order_sampler', sampler)
+        object.__setattr__(self, 'n_processes',
+                           self.n_processes or multiprocessing.cpu_count())
+        object.__setattr__(self, 'n_prefetch', max(self.n_prefetch, 1))
+
+    @property
+    def next_epoch_cache(self) -> bool:
+        """Whether the next-epoch cache is on."""
+        return (self.next_epoch_cache_examples is not None
+                or self.next_epoch_cache_bytes is not None)
+
+    def copy_settings(self) -> 'IteratorSettings':
+        """The settings of a copy: the same sampler object, as Chainer's ``__copy__`` does."""
+        return dataclasses.replace(self, shuffle=None)
+
+
+FIELDS = frozenset(field.name for field in dataclasses.fields(IteratorSettings))
+
+
+def _check_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, numpy.integer)) \
+            or value < 1:
+        raise ValueError('{} must be a positive integer, got {!r}'.format(
+            name, value))

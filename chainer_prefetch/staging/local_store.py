@@ -1,0 +1,309 @@
+"""The local store: a local directory, its byte budget and the policy that keeps it.
+
+Stage 2 asks the store to *stage an item*: make a current local form of each
+of its sources (the files of one example, or one Parquet row group shared by
+many examples).  The store owns everything about the local side:
+
+* the :class:`~chainer_prefetch.staging.local_directory.LocalDirectory`
+  (partial files, locks, atomic renames, no symlink followed);
+* with ``capacity_bytes``, the directory's budget: a
+  :class:`~chainer_prefetch.staging.capacity.CapacityLedger` shared by every
+  process using the directory.  Before making local files the store
+  *reserves* their estimated size (for a plain copy the exact size; for a
+  derived file what its source predicts), evicting items by the policy until
+  the reservation fits, and *settles* the real size afterwards, so the limit
+  holds for every kind of source;
+* the eviction strategy (:mod:`chainer_prefetch.policy.eviction`), which
+  ranks this process's items by their next use or last use.
+
+Thread-safe: called from the copy threads (:meth:`stage`) and from the
+pipeline thread (:meth:`hold`, :meth:`used`).  The store's lock guards only
+the strategy's bookkeeping; no file, ledger or shared-storage I/O runs under
+it.
+
+When the local side fails (full disk, no permission), staging stops for the
+rest of the run (:attr:`disabled` says why) and every item is read from
+shared storage, never from a partial file.
+"""
+import dataclasses
+import threading
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from chainer_prefetch.errors import LocalStorageError, SourceFileError
+from chainer_prefetch.policy.eviction import make_strategy
+from chainer_prefetch.staging.capacity import CapacityLedger
+from chainer_prefetch.staging.local_directory import LocalDirectory
+from chainer_prefetch.staging.sources import Source
+
+
+class Counters:
+    """Counters updated from several threads; read a consistent copy with :meth:`snapshot`.
+
+    Args:
+        names: The counters, all starting at 0.
+    """
+
+    def __init__(self, names: Sequence[str]):
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(names, 0)
+
+    def add(self, **amounts):
+        """Adds to counters, e.g. ``add(files_copied=1, bytes_copied=n)``."""
+        with self._lock:
+            for name, amount in amounts.items():
+                self._values[name] += amount
+
+    def snapshot(self) -> dict:
+        """The counters as a new dict."""
+        with self._lock:
+            return dict(self._values)
+
+
+#: What the store counts (see ``PrefetchMultiprocessIterator.stats``).
+STORE_COUNTERS = ('files_copied', 'bytes_copied', 'local_bytes_written',
+                  'files_already_local', 'files_failed_source',
+                  'items_bypassed', 'items_too_large', 'files_evicted',
+                  'bytes_evicted', 'copy_seconds')
+
+
+@dataclasses.dataclass(frozen=True)
+class StageResult:
+    """What staging one item did.
+
+    Attributes:
+        staged: Every source of the item has a current local form, so the
+            examples of the item may be read locally.
+        bytes_read: Bytes this call read from shared storage.
+        evicted: Items this call dropped to make room.
+    """
+
+    staged: bool
+    bytes_read: int = 0
+    evicted: Tuple[int, ...] = ()
+
+
+class LocalStore:
+    """A local directory with an optional byte budget kept by an eviction policy.
+
+    Args:
+        directory: Where the local files go.
+        capacity_bytes: Limit of the bytes under the directory (shared with
+            every process using it), or ``None`` for no limit.
+        eviction_policy: A name in
+            :data:`chainer_prefetch.policy.eviction.STRATEGIES`.
+    """
+
+    def __init__(self, directory: LocalDirectory,
+                 capacity_bytes: Optional[int] = None,
+                 eviction_policy: str = 'belady'):
+        self.directory = directory
+        self.counters = Counters(STORE_COUNTERS)
+        self.disabled: Optional[str] = None  #: why staging stopped, if it did
+        self._lock = threading.Lock()
+        self._ledger = None
+        self._strategy = None
+        self._sources: Dict[int, Tuple[Source, ...]] = {}  # stored items
+        if capacity_bytes is not None:
+            self._strategy = make_strategy(eviction_policy)
+            try:
+                self._ledger = CapacityLedger(directory.root,
+                                              directory.data_root,
+                                              capacity_bytes)
+            except OSError as error:
+                raise LocalStorageError(
+                    error.errno, 'the capacity ledger of {} is unusable: {}'
+                    .format(directory.root, error.strerror or error)
+                ) from error
+
+    @property
+    def limited(self) -> bool:
+        """Whether a capacity limit applies."""
+        return self._ledger is not None
+
+    def bytes_used(self) -> Optional[int]:
+        """Bytes the capacity ledger counts (every process), or ``None`` without a limit."""
+        return None if self._ledger is None else self._ledger.used_bytes()
+
+    def close(self):
+        """Lets go of the ledger and the directory (the local files stay)."""
+        if self._ledger is not None:
+            self._ledger.close()
+        self.directory.close()
+
+    def stage(self, item: int, sources: Sequence[Source], now: int = 0
+              ) -> StageResult:
+        """Makes a current local form of every source of ``item``.
+
+        Args:
+            item: The item (what the policy keeps or drops as one).
+            sources: Its sources.
+            now: The number of the access it is staged for (the policy
+                compares it with the next uses of the stored items).
+
+        Returns:
+            What happened.  ``staged`` is false when a source cannot be read
+            (stage 3 reads it itself and reports the error with the
+            example's index), when the local side failed, and when the
+            policy left the item on shared storage.
+        """
+        started = time.perf_counter()
+        try:
+            try:
+                origin_stats = [source.stat_origin() for source in sources]
+            except SourceFileError:
+                self.counters.add(files_failed_source=1)
+                return StageResult(False)
+            missing = [(source, origin_stat) for source, origin_stat
+                       in zip(sources, origin_stats)
+                       if not self.directory.is_current(source, origin_stat)]
+            self.counters.add(files_already_local=len(sources) - len(missing))
+            if missing and self.disabled is not None:
+                return StageResult(False)
+            if self._ledger is None:
+                return self._make(missing)
+            return self._make_within_budget(item, sources, missing, now)
+        finally:
+            self.counters.add(copy_seconds=time.perf_counter() - started)
+
+    def hold(self, item: int, now: int) -> bool:
+        """Keeps a stored item from eviction until :meth:`used` reports access ``now``.
+
+        Returns:
+            ``False`` if the item is not stored (any more): stage it again.
+        """
+        if self._strategy is None:
+            return True
+        with self._lock:
+            if item not in self._strategy:
+                return False
+            self._strategy.hold(item, now)
+            return True
+
+    def used(self, item: int, now: int, next_use: float):
+        """Stage 3 read ``item`` for access ``now``; its next use is ``next_use``."""
+        if self._strategy is None:
+            return
+        with self._lock:
+            if item in self._strategy:
+                self._strategy.use(item, now, next_use)
+
+    def forget_next_uses(self):
+        """The order was reset: every stored item's next use is unknown now."""
+        if self._strategy is not None:
+            with self._lock:
+                self._strategy.forget_next_uses()
+
+    def _make(self, missing) -> StageResult:
+        """Makes the missing local files; returns the result (no budget)."""
+        bytes_read = 0
+        for source, origin_stat in missing:
+            written = self._make_one(source, origin_stat)
+            if written is None:
+                return StageResult(False, bytes_read)
+            if written:
+                bytes_read += source.source_bytes(origin_stat)
+        return StageResult(True, bytes_read)
+
+    def _make_one(self, source, origin_stat) -> Optional[int]:
+        """Makes one local file; returns bytes written (0: was there), None on failure."""
+        if self.disabled is not None:
+            return None
+        try:
+            written = self.directory.stage(source, origin_stat)
+        except SourceFileError:
+            # Stage 3 reads the source itself and reports the error with the
+            # example's index; a transient failure may even succeed there.
+            self.counters.add(files_failed_source=1)
+            return None
+        except LocalStorageError as error:
+            if self.disabled is None:
+                self.disabled = str(error)
+            return None
+        except InterruptedError:
+            return None
+        if written:
+            self.counters.add(files_copied=1,
+                              bytes_copied=source.source_bytes(origin_stat),
+                              local_bytes_written=written)
+        else:
+            self.counters.add(files_already_local=1)
+        return written
+
+    def _make_within_budget(self, item, sources, missing, now) -> StageResult:
+        if not missing:
+            with self._lock:
+                self._strategy.hold(item, now)  # until stage 3 loaded it
+                self._sources[item] = tuple(sources)
+            return StageResult(True)
+        estimate = sum(source.estimated_local_bytes(origin_stat)
+                       for source, origin_stat in missing)
+        if estimate > self._ledger.limit_bytes:
+            self.counters.add(items_too_large=1, items_bypassed=1)
+            return StageResult(False)
+        evicted: List[int] = []
+        if not self._reserve(estimate, now, evicted):
+            self.counters.add(items_bypassed=1)
+            return StageResult(False, 0, tuple(evicted))
+        written_total = bytes_read = 0
+        made = []
+        for source, origin_stat in missing:
+            written = self._make_one(source, origin_stat)
+            if written is None:
+                self._evict_sources(made, release=False)
+                self._ledger.release(estimate)
+                return StageResult(False, bytes_read, tuple(evicted))
+            if written:
+                made.append(source)
+                written_total += written
+                bytes_read += source.source_bytes(origin_stat)
+        # Settle: a file another process made meanwhile is in its budget.
+        if written_total > estimate and not self._reserve(
+                written_total - estimate, now, evicted):
+            self._evict_sources(made, release=False)
+            self._ledger.release(estimate)
+            self.counters.add(items_bypassed=1)
+            return StageResult(False, bytes_read, tuple(evicted))
+        if written_total < estimate:
+            self._ledger.release(estimate - written_total)
+        with self._lock:
+            self._strategy.hold(item, now)  # until stage 3 loaded it
+            self._sources[item] = tuple(sources)
+        return StageResult(True, bytes_read, tuple(evicted))
+
+    def _reserve(self, n_bytes, now, evicted: List[int]) -> bool:
+        """Reserves ``n_bytes``, evicting by the policy; False to leave the item out."""
+        while not self._ledger.reserve(n_bytes):
+            with self._lock:
+                victim = self._strategy.victim(now)
+                if victim is None:
+                    return False
+                self._strategy.remove(victim)
+                sources = self._sources.pop(victim, ())
+            self._evict_sources(sources)
+            evicted.append(victim)
+        return True
+
+    def _evict_sources(self, sources, release=True):
+        """Removes local files; ``release=False`` when their bytes are still reserved."""
+        for source in sources:
+            try:
+                freed = self.directory.evict(source)
+            except LocalStorageError as error:
+                if self.disabled is None:
+                    self.disabled = str(error)
+                continue
+            if freed and release:
+                self._ledger.release(freed)
+                self.counters.add(files_evicted=1, bytes_evicted=freed)
+
+
+def sources_bytes(sources: Sequence[Source]) -> int:
+    """Bytes the sources take on shared storage (0 for one that cannot be read)."""
+    total = 0
+    for source in sources:
+        try:
+            total += source.source_bytes(source.stat_origin())
+        except (SourceFileError, OSError):
+            pass
+    return total

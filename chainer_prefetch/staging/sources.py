@@ -1,0 +1,248 @@
+"""Sources: a file on shared storage and the local file made from it, one interface.
+
+Stage 2 stages *sources*.  Two kinds share every method, so the local store
+(:mod:`chainer_prefetch.staging.local_store`) treats them alike, budget
+included:
+
+* :class:`PlainFile`: a file copied byte for byte (what a dataset names with
+  a plain path in ``example_files(i)``; :func:`as_source` wraps it);
+* :class:`DerivedFile`: a local file *made from* a part of a source file in
+  another form, e.g. one row group of a Parquet file decoded once into an
+  Arrow IPC file that the loader processes memory-map (no second
+  decompression, one copy in the page cache for all of them).  A dataset asks
+  for that by naming a :class:`DerivedFile` in ``example_files(i)``;
+  subclasses say how to read the part (:meth:`DerivedFile.load_from_origin`)
+  and how to write its local form (:meth:`DerivedFile.write_local_form`).
+
+Every source has a ``name`` (the path its local copy mirrors: the file's own
+path, or a *virtual* path for a derived file, e.g.
+``/shared/part-0.parquet.rg00003.arrow``) and an ``origin`` (the real file
+on shared storage).  A local file is current while it is a regular file
+stamped with the origin's modification time (and, for a plain copy, has the
+origin's size): a changed origin makes it stale.
+"""
+import errno
+import os
+import stat
+from typing import Any, BinaryIO, Union
+
+from chainer_prefetch.errors import LocalStorageError, SourceFileError
+
+#: Bytes per ``sendfile`` call (the kernel copies; nothing passes through Python).
+_SENDFILE_BYTES = 1 << 24
+
+
+class Source:
+    """A file on shared storage and how its local form is made.
+
+    Attributes:
+        name: The path that names the local form.
+        origin: The file on shared storage it is made from.
+    """
+
+    __slots__ = ()
+    name: str
+    origin: str
+
+    def __repr__(self):
+        return '{}({!r})'.format(type(self).__name__, self.name)
+
+    def __str__(self):
+        return self.name
+
+    def stat_origin(self) -> os.stat_result:
+        """``os.stat`` of the origin.
+
+        Raises:
+            SourceFileError: the origin cannot be read (the message names it).
+        """
+        try:
+            return os.stat(self.origin)
+        except OSError as error:
+            raise source_error(error, self.origin) from error
+
+    def estimated_local_bytes(self, origin_stat: os.stat_result) -> int:
+        """Bytes the local form will take, as known before making it."""
+        return origin_stat.st_size
+
+    def source_bytes(self, origin_stat: os.stat_result) -> int:
+        """Bytes read from shared storage to make the local form."""
+        return origin_stat.st_size
+
+    def source_bytes_per_example(self, origin_stat: os.stat_result) -> int:
+        """An example's share of :meth:`source_bytes` (when examples share the source)."""
+        return self.source_bytes(origin_stat)
+
+    def is_current(self, local_stat: os.stat_result,
+                   origin_stat: os.stat_result) -> bool:
+        """Whether a local file with ``local_stat`` is this source's current form."""
+        return (stat.S_ISREG(local_stat.st_mode)
+                and local_stat.st_mtime_ns == origin_stat.st_mtime_ns)
+
+    def write_local(self, out_fd: int, origin_stat: os.stat_result,
+                    destination: str) -> int:
+        """Writes the local form into the empty, open file ``out_fd``.
+
+        Args:
+            out_fd: The file to write (a locked ``.part`` file).
+            origin_stat: ``stat_origin()`` taken before reading.
+            destination: The final local path (for error messages).
+
+        Returns:
+            Bytes written.
+
+        Raises:
+            SourceFileError: the origin cannot be read, is corrupt, or changed
+                while it was read.
+            LocalStorageError: the local form cannot be written.
+        """
+        raise NotImplementedError
+
+
+class PlainFile(Source):
+    """A file copied byte for byte; its copy also has the origin's size.
+
+    Args:
+        path: The file on shared storage.
+    """
+
+    __slots__ = ('name', 'origin')
+
+    def __init__(self, path: str):
+        self.name = self.origin = path
+
+    def is_current(self, local_stat, origin_stat):
+        return (super().is_current(local_stat, origin_stat)
+                and local_stat.st_size == origin_stat.st_size)
+
+    def write_local(self, out_fd, origin_stat, destination):
+        try:
+            in_fd = os.open(self.origin, os.O_RDONLY)
+        except OSError as error:
+            raise source_error(error, self.origin) from error
+        try:
+            copied = _send_all(in_fd, out_fd, self.origin, destination)
+        finally:
+            os.close(in_fd)
+        if copied != origin_stat.st_size:
+            raise SourceFileError(
+                errno.EIO, 'source {} changed while copying ({} bytes read, '
+                '{} expected)'.format(self.origin, copied,
+                                      origin_stat.st_size), self.origin)
+        stamp(out_fd, origin_stat, destination)
+        return copied
+
+
+class DerivedFile(Source):
+    """A local file made from (a part of) ``origin``; subclasses say how.
+
+    Subclasses implement :meth:`load_from_origin` and
+    :meth:`write_local_form`, and may refine :meth:`estimated_local_bytes`
+    and :meth:`source_bytes` (e.g. from file metadata) for the budget of a
+    capacity-limited local directory and for the statistics.
+
+    Args:
+        virtual_path: The path that names the local form (it must not be the
+            path of a real source file, or the two would share a local copy).
+        origin: The source file on shared storage.
+    """
+
+    def __init__(self, virtual_path: str, origin: str):
+        self.name = virtual_path
+        self.origin = origin
+
+    def __reduce__(self):
+        return type(self), (self.name, self.origin)
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self.name == other.name
+
+    def __hash__(self):
+        return hash(self.name)
+
+    def load_from_origin(self) -> Any:
+        """Reads the content from ``origin``.
+
+        Raises:
+            OSError or ValueError: ``origin`` cannot be read or is corrupt;
+                reported as :class:`~chainer_prefetch.errors.SourceFileError`.
+        """
+        raise NotImplementedError
+
+    def write_local_form(self, content: Any, out: BinaryIO) -> None:
+        """Writes ``content`` (from :meth:`load_from_origin`) to ``out``."""
+        raise NotImplementedError
+
+    def write_local(self, out_fd, origin_stat, destination):
+        try:
+            content = self.load_from_origin()
+            after = os.stat(self.origin)
+        except (OSError, ValueError) as error:
+            raise SourceFileError(
+                getattr(error, 'errno', None) or errno.EIO,
+                'cannot read {} (for {}): {}'.format(self.origin, self.name,
+                                                     error),
+                self.origin) from error
+        if (after.st_size, after.st_mtime_ns) != (origin_stat.st_size,
+                                                  origin_stat.st_mtime_ns):
+            raise SourceFileError(errno.EIO, '{} changed while it was read'
+                                  .format(self.origin), self.origin)
+        try:
+            with os.fdopen(os.dup(out_fd), 'wb') as out:
+                self.write_local_form(content, out)
+            written = os.fstat(out_fd).st_size
+        except OSError as error:
+            raise local_error(error, destination) from error
+        stamp(out_fd, origin_stat, destination)
+        return written
+
+
+def as_source(named: Union[str, os.PathLike, Source]) -> Source:
+    """The :class:`Source` for what a dataset's ``example_files`` named."""
+    if isinstance(named, Source):
+        return named
+    return PlainFile(os.fspath(named))
+
+
+def stamp(fd: int, origin_stat: os.stat_result, destination: str):
+    """Gives the local file the origin's times (how it is recognised as current)."""
+    try:
+        os.utime(fd, ns=(origin_stat.st_atime_ns, origin_stat.st_mtime_ns))
+    except OSError as error:
+        raise local_error(error, destination) from error
+
+
+def _send_all(in_fd: int, out_fd: int, source: str, destination: str) -> int:
+    """Copies ``in_fd`` to ``out_fd`` inside the kernel; returns the bytes copied.
+
+    A failed read is the source's fault, a failed write the local side's;
+    ``sendfile`` reports both as one error, so a failure is attributed by
+    reading one byte of the source at the failing offset.
+    """
+    copied = 0
+    while True:
+        try:
+            sent = os.sendfile(out_fd, in_fd, copied, _SENDFILE_BYTES)
+        except OSError as error:
+            try:
+                os.pread(in_fd, 1, copied)
+            except OSError as read_error:
+                raise source_error(read_error, source) from read_error
+            raise local_error(error, destination) from error
+        if sent == 0:
+            return copied
+        copied += sent
+
+
+def source_error(error: OSError, source: str) -> SourceFileError:
+    """A :class:`SourceFileError` naming ``source``."""
+    return SourceFileError(error.errno, 'cannot read {}: {}'.format(
+        source, error.strerror or error), source)
+
+
+def local_error(error: OSError, path: str) -> LocalStorageError:
+    """A :class:`LocalStorageError` naming the local ``path``."""
+    if isinstance(error, (SourceFileError, LocalStorageError)):
+        return error
+    return LocalStorageError(error.errno, 'cannot write local copy {}: {}'.format(
+        path, error.strerror or error), path)

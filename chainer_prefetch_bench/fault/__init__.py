@@ -1,0 +1,1 @@
+"""Fault-tolerance experiments: recovery time, checkpoint cost, learning curves."""

@@ -1,0 +1,1 @@
+"""The minibatch benchmark (the source paper, sec. 4.1): loaders side by side."""

@@ -1,0 +1,582 @@
+#!/usr/bin/env python3
+"""Parquet loaders side by side: rows/s, peak memory, coverage, shuffle quality.
+
+On one generated shopping-like dataset (``testbed.parquet_dataset``),
+batch 100, for each number of loader workers:
+
+* ``ours-local``: ParquetDataset + RowGroupWindowOrderSampler +
+  PrefetchMultiprocessIterator (row groups staged as Arrow IPC files into an
+  empty local directory), Parquet files on local disk;
+* ``ours-shared``: the same, Parquet files read through the emulated shared
+  storage (``testbed.storage``, FUSE);
+* ``ours-chainer``: ParquetDataset + the same sampler + Chainer's
+  MultiprocessIterator (each worker reads Parquet itself, bounded cache);
+* ``petastorm``: Petastorm's ``make_batch_reader`` (thread pool,
+  row-group and row shuffling), its row-group-sized column batches cut into
+  batches of 100 rows (columnar: no per-row objects);
+* ``petastorm-rows``: the same, each batch turned into 100 row dicts (the
+  examples Chainer's training loop and ours deliver);
+* ``blog``: the blog's loader reimplemented: worker processes each cache
+  ``num_cached_parquet`` files drawn at random, shuffle inside the cache and
+  build whole batches of 100 rows from it (fastparquet, rows as dicts); files
+  are drawn with replacement, so rows repeat within an epoch.
+
+Every method reads the same six columns (all but ``tokens``: Petastorm's
+``make_batch_reader`` fails on variable-length list columns).
+
+Each run is a fresh child process; the parent samples the memory of the
+child and all its descendants (sum of RSS and of PSS, which counts a page
+shared by several processes once) every 0.2 s and reports the peaks.  The
+page cache of the dataset is dropped before each run.
+
+Coverage (the blog's Tables 4 and 5) is measured by running the loaders on
+the ``id`` column for several epochs' worth of batches: the share of distinct
+rows seen after each epoch's worth, and the share of distinct ids per batch.
+
+Petastorm runs in its own virtual environment (``.venv-petastorm``, made on
+first use by ``petastorm_env``: it needs ``pyarrow<15``), in the same kind of
+child process as the other methods.
+
+Usage::
+
+    python -m chainer_prefetch_bench.parquet.bench            # full run (see --help)
+    python -m chainer_prefetch_bench.parquet.bench --quick    # a few minutes
+"""
+import argparse
+import glob
+import json
+import math
+import multiprocessing
+import os
+import queue
+import shutil
+import signal
+import sys
+import time
+from typing import Dict, List
+
+from chainer_prefetch_bench.parquet import petastorm_env
+from chainer_prefetch_bench.testbed import parquet_dataset, storage
+from chainer_prefetch_bench.testbed.machine import machine_description
+from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
+from chainer_prefetch_bench.testbed.processes import answer_child, exit_on_sigterm, run_in_child
+from chainer_prefetch_bench.testbed.report import write_json
+
+BATCH_SIZE = 100
+METHODS = ('ours-local', 'ours-shared', 'ours-chainer', 'petastorm',
+           'petastorm-rows', 'blog')
+
+
+# ---------------------------------------------------------------- the loaders
+
+def _open_ours(config: Dict, columns: List[str]):
+    """Ours: an iterator yielding lists of example dicts."""
+    import chainer
+    import numpy
+
+    from chainer_prefetch import PrefetchMultiprocessIterator
+    from chainer_prefetch.datasets import ParquetDataset, RowGroupWindowOrderSampler
+    window = config['window']
+    dataset = ParquetDataset(config['source'], columns=columns,
+                             cache_row_groups=window)
+    # Local room for 2 * window + 2 row groups, as the earlier LRU of the
+    # dataset kept: the local store evicts by the known order within it.
+    groups = numpy.cumsum(dataset.row_group_sizes) - dataset.row_group_sizes
+    largest = max(dataset.example_files(int(first))[0].estimated_local_bytes(None)
+                  for first in groups)
+    sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes,
+                                         window=window, seed=config['seed'])
+    if config['method'] == 'ours-chainer':
+        iterator = chainer.iterators.MultiprocessIterator(
+            dataset, BATCH_SIZE, n_processes=config['workers'],
+            order_sampler=sampler)
+    else:
+        iterator = PrefetchMultiprocessIterator(
+            dataset, BATCH_SIZE, n_processes=config['workers'],
+            order_sampler=sampler, local_dir=config['local_dir'],
+            local_capacity=(2 * window + 2) * largest)
+    return iterator, dataset
+
+
+def _ours_batches(config: Dict, columns: List[str], staging: Dict):
+    iterator, dataset = _open_ours(config, columns)
+    try:
+        while True:
+            yield [example['id'] for example in iterator.next()]
+    finally:
+        staging.update(getattr(iterator, 'stats', {}))
+        iterator.finalize()
+
+
+def _petastorm_batches(config: Dict, columns: List[str]):
+    from petastorm import make_batch_reader
+    with make_batch_reader('file://' + config['source'],
+                           schema_fields=columns,
+                           workers_count=config['workers'],
+                           shuffle_row_groups=True, shuffle_rows=True,
+                           seed=config['seed'], num_epochs=None) as reader:
+        pending = {}
+        for row_group in reader:
+            chunk = row_group._asdict()
+            for name, values in chunk.items():
+                pending[name] = (values if name not in pending else
+                                 _concatenate(pending[name], values))
+            while len(pending['id']) >= BATCH_SIZE:
+                batch = {name: values[:BATCH_SIZE]
+                         for name, values in pending.items()}
+                pending = {name: values[BATCH_SIZE:]
+                           for name, values in pending.items()}
+                if config['method'] == 'petastorm-rows':
+                    yield [row['id'] for row in _rows(batch)]
+                else:
+                    yield batch['id'].tolist()
+
+
+def _rows(columns: Dict) -> List[Dict]:
+    """A columnar batch as one dict per row (what Chainer's loop consumes)."""
+    names = list(columns)
+    return [dict(zip(names, values))
+            for values in zip(*(columns[name].tolist() for name in names))]
+
+
+def _concatenate(first, second):
+    import numpy
+    return numpy.concatenate([first, second])
+
+
+def _blog_worker(files, columns, num_cached, seed, out_queue, stop_event):
+    """One worker of the blog's loader: whole batches from its own file cache."""
+    import fastparquet
+    import numpy
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    out_queue.cancel_join_thread()  # exit even with batches left unread
+    random = numpy.random.RandomState(seed)
+    while not stop_event.is_set():
+        chosen = random.choice(len(files), min(num_cached, len(files)),
+                               replace=False)
+        frame = _concat_frames([fastparquet.ParquetFile(files[i]).to_pandas(
+            columns=columns) for i in chosen])
+        rows = frame.iloc[random.permutation(len(frame))]
+        for start in range(0, len(rows) - BATCH_SIZE + 1, BATCH_SIZE):
+            batch = rows.iloc[start:start + BATCH_SIZE].to_dict('records')
+            while not stop_event.is_set():
+                try:
+                    out_queue.put([row['id'] for row in batch] if
+                                  columns == ['id'] else batch, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if stop_event.is_set():
+                return
+
+
+def _concat_frames(frames):
+    import pandas
+    return pandas.concat(frames, ignore_index=True)
+
+
+def _blog_batches(config: Dict, columns: List[str]):
+    """The blog's loader with ``workers`` processes; batches in arrival order."""
+    files = sorted(glob.glob(os.path.join(config['source'], '*.parquet')))
+    context = multiprocessing.get_context('fork')
+    out_queue = context.Queue(maxsize=2 * config['workers'])
+    stop_event = context.Event()
+    workers = [context.Process(
+        target=_blog_worker, daemon=True,
+        args=(files, columns, config['num_cached_parquet'],
+              config['seed'] * 1000 + rank, out_queue, stop_event))
+        for rank in range(config['workers'])]
+    for worker in workers:
+        worker.start()
+    try:
+        while True:
+            try:
+                batch = out_queue.get(timeout=60)
+            except queue.Empty:
+                dead = [w.pid for w in workers if not w.is_alive()]
+                raise RuntimeError('blog loader: no batch for 60 s (dead '
+                                   'workers: {})'.format(dead))
+            yield batch if columns == ['id'] else [row['id'] for row in batch]
+    finally:
+        stop_event.set()
+        for worker in workers:
+            worker.join(5)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+
+
+def _batches(config: Dict, columns: List[str], staging: Dict):
+    if config['method'].startswith('ours'):
+        return _ours_batches(config, columns, staging)
+    if config['method'].startswith('petastorm'):
+        return _petastorm_batches(config, columns)
+    return _blog_batches(config, columns)
+
+
+# ---------------------------------------------------------------- one run
+
+def run_one(config: Dict) -> Dict:
+    """Runs one configuration in this process; returns its measurements.
+
+    Imports no part of ``chainer_prefetch`` unless an ``ours`` method runs
+    (the Petastorm environment has no Chainer): the row-group layout comes
+    in ``config['row_group_sizes']``.
+    """
+    import numpy
+    columns = config['columns']
+    sizes = numpy.asarray(config['row_group_sizes'], dtype=numpy.int64)
+    row_group_of_id = numpy.repeat(numpy.arange(len(sizes)), sizes)
+    n_rows = int(sizes.sum())
+    started = time.perf_counter()
+    first_batch_s = None
+    rows = duplicates_in_batches = 0
+    groups_per_batch = []
+    seen = numpy.zeros(n_rows, dtype=bool)
+    coverage = []
+    staging = {}  # what stage 2 did (ours)
+    batches = _batches(config, columns, staging)
+    try:
+        for number, ids in enumerate(batches, 1):
+            if first_batch_s is None:
+                first_batch_s = time.perf_counter() - started
+            ids = numpy.asarray(ids, dtype=numpy.int64)
+            rows += len(ids)
+            duplicates_in_batches += len(ids) - len(numpy.unique(ids))
+            groups_per_batch.append(len(numpy.unique(row_group_of_id[ids])))
+            seen[ids] = True
+            if config.get('epochs') and rows >= (len(coverage) + 1) * n_rows:
+                coverage.append(float(seen.mean()))
+                if len(coverage) == config['epochs']:
+                    break
+            if not config.get('epochs') and number == config['batches']:
+                break
+        seconds = time.perf_counter() - started
+    finally:
+        batches.close()
+    return {'method': config['method'], 'workers': config['workers'],
+            'rows': rows, 'seconds': round(seconds, 3),
+            'rows_per_s': round(rows / seconds, 1),
+            'first_batch_s': round(first_batch_s, 3),
+            'duplicates_in_batches': int(duplicates_in_batches),
+            'unique_ids_per_batch': 1 - duplicates_in_batches / rows,
+            'row_groups_per_batch': float(numpy.mean(groups_per_batch)),
+            'row_groups_used': int(len(numpy.unique(row_group_of_id[seen]))),
+            'staging': staging,
+            'coverage_per_epoch': coverage}
+
+
+
+
+# ---------------------------------------------------------------- backends
+
+def compare_backends(files: List[str], repeats: int = 3) -> List[Dict]:
+    """Reads every row group of ``files`` with PyArrow and with fastparquet.
+
+    PyArrow yields Arrow tables (what the dataset uses); fastparquet yields
+    pandas frames, so PyArrow is also timed with ``to_pandas()``.
+    """
+    import fastparquet
+    import pyarrow
+    import pyarrow.parquet
+    column_sets = {'title (string)': ['title'],
+                   'all columns': parquet_dataset.SCHEMA.names}
+
+    def pyarrow_read(columns, to_pandas):
+        for path in files:
+            parquet_file = pyarrow.parquet.ParquetFile(path)
+            for group in range(parquet_file.num_row_groups):
+                table = parquet_file.read_row_group(group, columns=columns)
+                if to_pandas:
+                    table.to_pandas()
+
+    def fastparquet_read(columns):
+        for path in files:
+            for _ in fastparquet.ParquetFile(path).iter_row_groups(
+                    columns=columns):
+                pass
+
+    readers = {
+        'pyarrow {} (Arrow)'.format(pyarrow.__version__):
+            lambda columns: pyarrow_read(columns, False),
+        'pyarrow {} (pandas)'.format(pyarrow.__version__):
+            lambda columns: pyarrow_read(columns, True),
+        'fastparquet {} (pandas)'.format(fastparquet.__version__):
+            fastparquet_read,
+    }
+    results = []
+    for label, columns in column_sets.items():
+        for reader, read in readers.items():
+            best = math.inf
+            for _ in range(repeats):
+                started = time.perf_counter()
+                read(columns)
+                best = min(best, time.perf_counter() - started)
+            results.append({'columns': label, 'reader': reader,
+                            'seconds': round(best, 4)})
+    return results
+
+
+# ---------------------------------------------------------------- report
+
+def format_table(runs: List[Dict]) -> str:
+    """The throughput table, with ratios to Petastorm at equal workers."""
+    petastorm = {run['workers']: run['rows_per_s'] for run in runs
+                 if run['method'] == 'petastorm'}
+    lines = ['{:<14} {:>7} {:>9} {:>10} {:>11} {:>11} {:>8} {:>10} {:>9}'.format(
+        'method', 'workers', 'rows/s', 'vs pstorm', 'peak RSS MB',
+        'peak PSS MB', '1st b s', 'dup/batch', 'RG/batch')]
+    for run in runs:
+        ratio = run['rows_per_s'] / petastorm[run['workers']] if (
+            run['workers'] in petastorm) else float('nan')
+        lines.append('{:<14} {:>7} {:>9.0f} {:>9.2f}x {:>11.0f} {:>11.0f} '
+                     '{:>8.2f} {:>10} {:>9.2f}'.format(
+                         run['method'], run['workers'], run['rows_per_s'],
+                         ratio, run['peak_rss_mb'], run['peak_pss_mb'],
+                         run['first_batch_s'], run['duplicates_in_batches'],
+                         run['row_groups_per_batch']))
+    return '\n'.join(lines)
+
+
+def format_coverage(coverage_runs: List[Dict]) -> str:
+    """Coverage per epoch's worth (Table 4) and distinct ids per batch (Table 5)."""
+    epochs = max(len(run['coverage_per_epoch']) for run in coverage_runs)
+    header = '{:<22}'.format('unique rows after') + ''.join(
+        '{:>8}'.format('{} ep'.format(e + 1)) for e in range(epochs)) + (
+        '{:>16}'.format('ids/batch uniq'))
+    lines = [header]
+    for run in coverage_runs:
+        lines.append('{:<22}'.format('{} ({} workers)'.format(
+            run['method'], run['workers'])) + ''.join(
+            '{:>7.1f}%'.format(100 * share)
+            for share in run['coverage_per_epoch']) + ' ' * 8 * (
+            epochs - len(run['coverage_per_epoch'])) + '{:>15.2f}%'.format(
+            100 * run['unique_ids_per_batch']))
+    lines.append('{:<22}'.format('1 - e^-k (formula)') + ''.join(
+        '{:>7.1f}%'.format(100 * (1 - math.exp(-(e + 1))))
+        for e in range(epochs)))
+    lines.append('{:<22}'.format('blog, Table 4') + ''.join(
+        '{:>7}%'.format(share) for share in (63, 87, 95, 98, 99)[:epochs]))
+    return '\n'.join(lines)
+
+
+def plot(report: Dict, path: str) -> None:
+    """Rows/s and peak PSS per method against workers."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    figure, (speed, memory) = plt.subplots(1, 2, figsize=(10, 4))
+    for method in METHODS:
+        runs = [run for run in report['runs'] if run['method'] == method]
+        if not runs:
+            continue
+        workers = [run['workers'] for run in runs]
+        speed.plot(workers, [run['rows_per_s'] for run in runs], 'o-',
+                   label=method)
+        memory.plot(workers, [run['peak_pss_mb'] for run in runs], 'o-',
+                    label=method)
+    speed.set(xlabel='loader workers', ylabel='rows/s (batch 100)',
+              title='Throughput')
+    memory.set(xlabel='loader workers', ylabel='peak PSS of all processes (MB)',
+               title='Memory')
+    for axes in (speed, memory):
+        axes.set_xticks(sorted({run['workers'] for run in report['runs']}))
+        axes.grid(alpha=0.3)
+    speed.legend(fontsize=8)
+    figure.suptitle('{rows:,} rows, {files} files, {row_groups} row groups, '
+                    '{gb:.1f} GB'.format(**report['dataset_summary']))
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+# ---------------------------------------------------------------- main
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split('\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--quick', action='store_true',
+                        help='tiny dataset, few batches, workers 1 and 2 '
+                        '(under a minute)')
+    parser.add_argument('--workdir', default='/tmp/bench_parquet')
+    parser.add_argument('--out', default='results/parquet')
+    parser.add_argument('--rows', type=int, default=400000)
+    parser.add_argument('--files', type=int, default=16)
+    parser.add_argument('--row-group-mb', type=float, default=120.0)
+    parser.add_argument('--image-size', type=int, default=96)
+    parser.add_argument('--batches', type=int, default=1000,
+                        help='timed batches of 100 per run')
+    parser.add_argument('--workers', default='1,2,4')
+    parser.add_argument('--methods', default=','.join(METHODS))
+    parser.add_argument('--window', type=int, default=4,
+                        help='row groups shuffled together (ours)')
+    parser.add_argument('--num-cached-parquet', type=int, default=2,
+                        help="files in each worker's cache (blog)")
+    parser.add_argument('--coverage-epochs', type=int, default=5,
+                        help="epochs' worth of batches for the coverage runs "
+                        '(0: no coverage runs)')
+    parser.add_argument('--coverage-rows', type=int, default=200000)
+    parser.add_argument('--coverage-files', type=int, default=400,
+                        help='files of the coverage dataset (the blog had '
+                        '2,000: the share of rows seen moves file by file)')
+    parser.add_argument('--preset', default='paper',
+                        choices=sorted(storage.PRESETS))
+    parser.add_argument('--run-timeout', type=float, default=900)
+    parser.add_argument('--petastorm-venv', default=petastorm_env.DEFAULT_DIR,
+                        help="Petastorm's own environment (made on first use)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rows, args.files, args.row_group_mb = 8000, 4, 4.0
+        args.image_size, args.batches, args.workers = 64, 20, '1,2'
+        args.coverage_epochs, args.coverage_rows = 2, 8000
+        args.coverage_files = 40
+    args.workers = [int(w) for w in args.workers.split(',')]
+    args.methods = args.methods.split(',')
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if answer_child(argv, run_one):
+        # Petastorm leaves threads behind that sometimes abort the
+        # interpreter's teardown ("terminate called without an active
+        # exception"); the result is out, so skip the teardown.
+        os._exit(0)
+    args = parse_args(argv)
+    exit_on_sigterm()
+    petastorm_python = None
+    if any(method.startswith('petastorm') for method in args.methods):
+        petastorm_python = petastorm_env.ensure(args.petastorm_venv)
+    dataset_dir = _generated(args.workdir, args.rows, args.files,
+                             args.row_group_mb, args.image_size)
+    summary = _dataset_summary(dataset_dir)
+    print('dataset: {rows:,} rows, {files} files, {row_groups} row groups of '
+          '{row_group_rows} rows, {gb:.2f} GB'.format(**summary), flush=True)
+    files = sorted(glob.glob(os.path.join(dataset_dir, '*.parquet')))
+    backends = compare_backends(files[:2] if len(files) > 2 else files)
+    for row in backends:
+        print('read {columns:<15} {reader:<28} {seconds:.3f} s'.format(**row))
+    mountpoint = os.path.join(args.workdir, 'mnt')
+    local_dir = os.path.join(args.workdir, 'local')
+    os.makedirs(mountpoint, exist_ok=True)
+    # Petastorm's make_batch_reader cannot return variable-length lists
+    # ('tokens'): every method reads the other six columns.
+    columns = [name for name in parquet_dataset.SCHEMA.names
+               if name != 'tokens']
+    runs, coverage_runs = [], []
+    sizes = _row_group_sizes(dataset_dir)
+    with storage.mounted(dataset_dir, mountpoint, preset=args.preset):
+        for workers in args.workers:
+            for method in args.methods:
+                config = {'method': method, 'workers': workers,
+                          'source': mountpoint if method == 'ours-shared'
+                          else dataset_dir, 'columns': columns,
+                          'batches': args.batches, 'window': args.window,
+                          'num_cached_parquet': args.num_cached_parquet,
+                          'local_dir': local_dir, 'seed': 0,
+                          'row_group_sizes': sizes}
+                result = _measure(config, dataset_dir, local_dir,
+                                  args.run_timeout, petastorm_python)
+                runs.append(result)
+                print('{method:<14} workers {workers}: {rows_per_s:8.0f} rows/s, '
+                      'peak PSS {peak_pss_mb:6.0f} MB, RSS {peak_rss_mb:6.0f} MB'
+                      .format(**result), flush=True)
+    coverage_dir = coverage_summary = None
+    if args.coverage_epochs:
+        coverage_dir = _generated(args.workdir, args.coverage_rows,
+                                  args.coverage_files, args.row_group_mb, 8)
+        coverage_summary = _dataset_summary(coverage_dir)
+    for method in ('blog', 'ours-local') if coverage_dir else ():
+        config = {'method': method, 'workers': 2, 'source': coverage_dir,
+                  'columns': ['id'], 'epochs': args.coverage_epochs,
+                  'window': args.window, 'seed': 1,
+                  'num_cached_parquet': args.num_cached_parquet,
+                  'local_dir': local_dir,
+                  'row_group_sizes': _row_group_sizes(coverage_dir)}
+        result = _measure(config, coverage_dir, local_dir, args.run_timeout)
+        coverage_runs.append(result)
+        print('coverage {method}: {coverage_per_epoch}'.format(**result),
+              flush=True)
+    report = {'command': 'python -m {} {}'.format(__spec__.name, ' '.join(argv)),
+              'machine': machine_description(),
+              'dataset_summary': summary, 'preset': args.preset,
+              'coverage_dataset_summary': coverage_summary,
+              'window': args.window, 'batch_size': BATCH_SIZE,
+              'backends': backends, 'runs': runs,
+              'coverage_runs': coverage_runs,
+              'versions': _versions(petastorm_python)}
+    _write_report(report, args.out)
+    return 0
+
+
+def _generated(workdir: str, rows: int, files: int, row_group_mb: float,
+               image_size: int) -> str:
+    """The generated dataset of these parameters (made if missing)."""
+    directory = os.path.join(workdir, 'shop-{}-{}-{}-{}'.format(
+        rows, files, row_group_mb, image_size))
+    if not os.path.exists(os.path.join(directory, '_dataset.json')):
+        print('generating a dataset into', directory, flush=True)
+        parquet_dataset.main([directory, '--rows', str(rows), '--files',
+                                   str(files), '--row-group-mb',
+                                   str(row_group_mb), '--image-size',
+                                   str(image_size)])
+    return directory
+
+
+def _measure(config, dataset_dir, local_dir, timeout, petastorm_python=None):
+    shutil.rmtree(local_dir, ignore_errors=True)
+    drop_page_cache(dataset_dir)
+    python = (petastorm_python if config['method'].startswith('petastorm')
+              else None)
+    return run_in_child(__spec__.name, config, timeout, python=python,
+                        sample_memory=True)
+
+
+def _row_group_sizes(dataset_dir: str) -> List[int]:
+    """Rows of each row group, in the order ParquetDataset numbers rows."""
+    from chainer_prefetch.datasets import ParquetDataset
+    return [int(size) for size in
+            ParquetDataset(dataset_dir, columns=['id']).row_group_sizes]
+
+
+def _dataset_summary(dataset_dir: str) -> Dict:
+    import pyarrow.parquet
+    files = sorted(glob.glob(os.path.join(dataset_dir, '*.parquet')))
+    metadata = [pyarrow.parquet.read_metadata(path) for path in files]
+    with open(os.path.join(dataset_dir, '_dataset.json')) as f:
+        generated = json.load(f)
+    return {'rows': sum(m.num_rows for m in metadata), 'files': len(files),
+            'row_groups': sum(m.num_row_groups for m in metadata),
+            'row_group_rows': generated['row_group_rows'],
+            'gb': sum(os.path.getsize(path) for path in files) / 1e9,
+            'image_size': generated['image_size']}
+
+
+def _versions(petastorm_python) -> Dict[str, str]:
+    import importlib.metadata
+    versions = {name: importlib.metadata.version(name) for name in (
+        'pyarrow', 'fastparquet', 'numpy', 'pandas', 'chainer')}
+    if petastorm_python:
+        versions['petastorm_env'] = petastorm_env.versions(petastorm_python)
+    return versions
+
+
+def _write_report(report: Dict, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    table = format_table(report['runs'])
+    coverage = (format_coverage(report['coverage_runs'])
+                if report['coverage_runs'] else 'no coverage runs')
+    backends = '\n'.join('{columns:<15} {reader:<28} {seconds:8.3f} s'.format(
+        **row) for row in report['backends'])
+    text = '\n\n'.join([report['command'], table, coverage,
+                        'Reading every row group of two files:\n' + backends])
+    print('\n' + text)
+    write_json(os.path.join(out, 'bench.json'), report)
+    with open(os.path.join(out, 'table.txt'), 'w') as f:
+        f.write(text + '\n')
+    plot(report, os.path.join(out, 'throughput_memory.png'))
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Writing results: JSON files (atomically) and figures."""
+import json
+import os
+from typing import Any
+
+
+def write_json(path: str, data: Any, indent: int = 1) -> str:
+    """Write ``data`` to ``path`` as JSON, atomically; make its folder.
+
+    A reader (or a run killed mid-write) never sees half a file: the JSON
+    goes to ``path.partial`` first, which is then renamed.
+
+    Args:
+        path: The file to write.
+        data: JSON-able data.
+        indent: JSON indentation.
+
+    Returns:
+        ``path``.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    partial = path + '.partial'
+    with open(partial, 'w') as f:
+        json.dump(data, f, indent=indent)
+    os.replace(partial, path)
+    return path
+
+
+def save_figure(fig, out: str, name: str, dpi: int = 120) -> str:
+    """Lay out ``fig``, write it to ``out/name`` and close it.
+
+    Args:
+        fig: A matplotlib figure.
+        out: Folder (made if missing).
+        name: File name (its extension picks the format).
+        dpi: Resolution.
+
+    Returns:
+        The path written.
+    """
+    import matplotlib.pyplot as plt
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path

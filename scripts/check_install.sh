@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# What a user installs: a fresh virtual environment with only `pip install .`
+# (plus Chainer's build constraint) imports and runs the iterator, staging
+# real files; the parquet and mpi extras install and their parts work; the
+# bench and test extras resolve.  (The elastic extra's PyTorch needs
+# setuptools>=77, which Chainer's import cannot take: README.rst,
+# "Installation".)  Used by .ci/run; about a minute.
+#
+#   bash scripts/check_install.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$(pwd)
+scratch=$(mktemp -d /tmp/check_install.XXXXXX)
+trap 'rm -rf "$scratch"' EXIT
+export PIP_CONSTRAINT="$repo/constraints.txt"  # Chainer 7.8.1 needs setuptools<70 to build
+python3 -m venv "$scratch/venv"
+python="$scratch/venv/bin/python"
+pip_install() {  # quiet, but the whole log when it fails
+    if ! "$scratch/venv/bin/pip" install -q "$@" > "$scratch/pip.log" 2>&1; then
+        grep -v '^WARNING: Location' "$scratch/pip.log" >&2
+        return 1
+    fi
+}
+cd "$scratch"  # so that `import chainer_prefetch` finds the installed copy
+
+echo "== pip install ."
+pip_install "$repo"
+"$python" - <<'PY'
+import os, sys, tempfile
+import numpy
+from PIL import Image
+import chainer
+import chainer_prefetch
+assert '/site-packages/' in chainer_prefetch.__file__, chainer_prefetch.__file__
+with tempfile.TemporaryDirectory() as root:
+    pairs = []
+    for i in range(12):
+        path = os.path.join(root, 'shared', '{}.png'.format(i))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        Image.new('RGB', (8, 8), (i, 0, 0)).save(path)
+        pairs.append((path, i % 3))
+    dataset = chainer.datasets.LabeledImageDataset(pairs)
+    iterator = chainer_prefetch.PrefetchMultiprocessIterator(
+        dataset, 4, n_processes=2, repeat=False, shuffle=False,
+        local_dir=os.path.join(root, 'local'), n_copy_threads=2)
+    try:
+        batches = list(iterator)
+        stats = iterator.stats
+    finally:
+        iterator.finalize()
+    assert [len(b) for b in batches] == [4, 4, 4], batches
+    assert batches[2][3][0][0, 0, 0] == 11 and batches[2][3][1] == 2
+    print('iterator: 3 batches, {} files copied'.format(stats['files_copied']))
+    assert stats['files_copied'] == 12, stats
+for part, extra in (('datasets', 'parquet'), ('resilience', 'mpi')):
+    try:
+        __import__('chainer_prefetch.' + part)
+    except ImportError as error:
+        assert "chainer_prefetch[{}]".format(extra) in str(error), error
+        print('without [{}]: {}'.format(extra, error))
+    else:
+        sys.exit('chainer_prefetch.{} imported without its extra'.format(part))
+PY
+
+echo "== pip install .[parquet,mpi]"
+pip_install "$repo[parquet,mpi]"
+"$python" - <<'PY'
+import os, tempfile
+import numpy, pyarrow, pyarrow.parquet
+from chainer_prefetch import PrefetchMultiprocessIterator
+from chainer_prefetch.datasets import ParquetDataset, RowGroupWindowOrderSampler
+import chainer_prefetch.resilience
+with tempfile.TemporaryDirectory() as root:
+    pyarrow.parquet.write_table(pyarrow.table({'id': numpy.arange(40)}),
+                                os.path.join(root, 'part.parquet'), row_group_size=10)
+    dataset = ParquetDataset(root)
+    sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes, window=2, seed=0)
+    iterator = PrefetchMultiprocessIterator(
+        dataset, 10, n_processes=2, repeat=False, order_sampler=sampler,
+        local_dir=os.path.join(root, 'local'))
+    try:
+        ids = sorted(example['id'] for batch in iterator for example in batch)
+    finally:
+        iterator.finalize()
+    assert ids == list(range(40)), ids
+print('parquet: 40 rows through the iterator (pyarrow {})'.format(pyarrow.__version__))
+PY
+OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    "$scratch/venv/bin/mpiexec" --oversubscribe -n 2 "$python" -c '
+from mpi4py import MPI
+import chainermn
+import chainer_prefetch.resilience
+comm = chainermn.create_communicator("naive")
+assert comm.allreduce_obj(1) == 2
+if comm.rank == 0:
+    print("mpi: 2 ranks, chainermn naive communicator")'
+
+echo "== pip install --dry-run .[bench,test]"
+pip_install --dry-run "$repo[bench,test]"
+echo "install check: ok"
