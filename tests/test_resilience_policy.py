@@ -391,6 +391,7 @@ class _Rank:
 def _trainer_with_reports(out_dir, comm, stream, epochs=4):
     import chainer
     from chainer.training import extensions
+
     from chainer_prefetch.resilience.reporting import RankZeroReports
     model = chainer.links.Classifier(chainer.links.Linear(2, 2))
     optimizer = chainer.optimizers.SGD()

@@ -41,7 +41,11 @@ from mpi4py import MPI
 
 from chainer_prefetch.resilience import policy
 from chainer_prefetch.resilience.communicator import (
-    GuardedComm, failed_ranks_of, release_connections, revoke)
+    GuardedComm,
+    failed_ranks_of,
+    release_connections,
+    revoke,
+)
 from chainer_prefetch.resilience.errors import ProcessFailure
 from chainer_prefetch.resilience.injection import EventLog, fail_now
 from chainer_prefetch.resilience.watchdog import Watchdog

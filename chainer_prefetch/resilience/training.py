@@ -40,8 +40,7 @@ import numpy
 from chainer.serializers import DictionarySerializer, NpzDeserializer
 
 from chainer_prefetch.resilience import policy, recovery
-from chainer_prefetch.resilience.communicator import (
-    FaultTolerantCommunicator, revoke)
+from chainer_prefetch.resilience.communicator import FaultTolerantCommunicator, revoke
 from chainer_prefetch.resilience.errors import ProcessFailure
 from chainer_prefetch.resilience.injection import EventLog
 from chainer_prefetch.resilience.spares import SparePool, Takeover

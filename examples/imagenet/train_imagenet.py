@@ -553,8 +553,7 @@ def train_fault_tolerant(args):
         supervise()  # before MPI is initialised (the imports below)
     from chainer_prefetch.resilience import recovery
     from chainer_prefetch.resilience import training as ft_training
-    from chainer_prefetch.resilience.communicator import (
-        FaultTolerantCommunicator, start_watchdog)
+    from chainer_prefetch.resilience.communicator import FaultTolerantCommunicator, start_watchdog
     from chainer_prefetch.resilience.errors import ProcessFailure
     from chainer_prefetch.resilience.reporting import RankZeroReports
     from chainer_prefetch.resilience.spares import SparePool
