@@ -208,6 +208,24 @@ def test_launcher_relaunches_until_success(tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.timeout(60)
+def test_launcher_ends_its_launch_when_terminated(tmp_path):
+    base = str(tmp_path / 'launch')
+    marker = base + '-child'  # only in the launched grandchild's arguments
+    script = ('import subprocess, sys, time; subprocess.Popen([sys.executable,'
+              ' "-c", "import time; time.sleep(300)", {!r} + "-child"]); '
+              'time.sleep(300)'.format(base))
+    env = dict(os.environ, PYTHONPATH=helpers_repo())
+    process = subprocess.Popen(
+        [sys.executable, '-m', 'chainer_prefetch.resilience.launcher', '--',
+         sys.executable, '-c', script], env=env)
+    assert helpers.wait_until(lambda: processes_with(marker), 20)
+    process.terminate()
+    assert process.wait(timeout=20) == 128 + signal.SIGTERM
+    assert helpers.wait_until(lambda: not processes_with(marker), 10), \
+        'the launch survived its launcher'
+
+
 def test_launcher_kills_a_launch_past_its_timeout(tmp_path):
     marker = str(tmp_path / 'grandchild-marker')
     # The launch starts a grandchild in the same process group, then hangs.

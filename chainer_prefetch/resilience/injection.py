@@ -91,8 +91,9 @@ class FailureInjector(chainer.training.Extension):
         target_rank: The rank that fails.
         mode: ``kill``, ``stop`` or ``exit``.
         at_iteration: Fail after this iteration (or None).
-        at_seconds: Fail this many seconds after the extension was created
-            (or None).
+        at_seconds: Fail once the trainer has trained this many seconds
+            (``trainer.elapsed_time``, the clock of Chainer's ``TimeTrigger``
+            and of the snapshots), or None.
         events: Where the failure is recorded before it happens.
 
     Raises:
@@ -118,11 +119,10 @@ class FailureInjector(chainer.training.Extension):
         self.at_iteration = at_iteration
         self.at_seconds = at_seconds
         self.events = events
-        self.started = time.monotonic()
 
     def __call__(self, trainer) -> None:
         if self.rank != self.target_rank or not injection_due(
-                trainer.updater.iteration, time.monotonic() - self.started,
+                trainer.updater.iteration, trainer.elapsed_time,
                 self.at_iteration, self.at_seconds):
             return
         if self.events is not None:
