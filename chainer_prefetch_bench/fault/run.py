@@ -53,6 +53,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -221,8 +222,10 @@ def measured(strategy: str, n: int) -> Callable[[List[Dict]], bool]:
             return False  # not there yet
         if strategy == 'respawn-spares' and 'top_up_s' not in record:
             return False
-        last = max(e['time'] for e in events)
-        return time.time() - last > 1.0
+        killed = next(e['time'] for e in events if e['event'] == 'failure')
+        measured = [killed + record['regain_s']] + [
+            e['time'] for e in events if e['event'] == 'spares_topped_up']
+        return time.time() - max(measured) > 1.0
     return done
 
 
@@ -484,7 +487,14 @@ def table(recovery: List[Dict], cost: List[Dict], curves: Optional[Dict],
     return '\n'.join(lines)
 
 
+def _exit_on_signal(number, _frame):
+    """SIGTERM ends the experiment like an exception: the running job is
+    stopped on the way out (``mpi_launch.run``)."""
+    raise SystemExit(128 + number)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--out', default=os.path.join(REPO, 'results',
                                                       'fault'))
