@@ -413,22 +413,20 @@ class SparePool:
         while True:
             message = self.park(fail_after)
             fail_after = None
-            if message is None:
-                takeover = self._repair_until_done()
-                if takeover.role != policy.SPARE:
-                    self._record('spare_taken', role=takeover.role,
-                                 failed=takeover.failed)
-                    return takeover
-            elif message[0] == TOP_UP:
-                try:
-                    self._spawn([policy.SPARE] * int(message[1]))
-                except ProcessFailure:
-                    takeover = self._repair_until_done()
-                    if takeover.role != policy.SPARE:
-                        return takeover
-            elif message[0] == DISMISS:
+            if message is not None and message[0] == DISMISS:
                 self.close()
                 return None
+            if message is not None:  # TOP_UP
+                try:
+                    self._spawn([policy.SPARE] * int(message[1]))
+                    continue
+                except ProcessFailure:
+                    pass  # a failure during the top-up: repair below
+            takeover = self._repair_until_done()
+            if takeover.role != policy.SPARE:
+                self._record('spare_taken', role=takeover.role,
+                             failed=takeover.failed)
+                return takeover
 
     def _repair_until_done(self) -> Takeover:
         while True:

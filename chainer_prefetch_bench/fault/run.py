@@ -383,7 +383,8 @@ def _spread(values) -> str:
                                            max(values))
 
 
-def recovery_table(recovery: List[Dict], queue_wait: float) -> List[str]:
+def recovery_table(recovery: List[Dict], queue_wait: float,
+                   details: bool = True) -> List[str]:
     sizes = sorted({r['ranks'] for r in recovery})
 
     def values(strategy, n, key):
@@ -410,6 +411,8 @@ def recovery_table(recovery: List[Dict], queue_wait: float) -> List[str]:
                 medians['checkpoint'] / medians['respawn-spares'],
                 medians['checkpoint'] / medians['respawn']))
         lines.append('')
+    if not details:
+        return lines
     parts = ('detect_s', 'repair_s', 'state_s', 'teardown_s', 'relaunch_s',
              'lost_s', 'lost_iterations', 'top_up_s')
     lines += ['### Parts (medians), s', '',
@@ -479,7 +482,7 @@ def table(recovery: List[Dict], cost: List[Dict], curves: Optional[Dict],
     if recovery:
         lines += recovery_table(recovery, 0.0)
         if queue_wait:
-            lines += recovery_table(recovery, queue_wait)
+            lines += recovery_table(recovery, queue_wait, details=False)
     if cost:
         lines += checkpoint_table(cost)
     if curves:
