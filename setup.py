@@ -51,6 +51,7 @@ setup(
     extras_require={
         'parquet': PARQUET,
         'mpi': MPI,
+        # chainer_prefetch.elastic; needs an etcd server (Debian etcd-server)
         'elastic': ['torch==2.13.0', 'etcd3gw'],
         'bench': BENCH,
         'test': BENCH + ['pytest', 'pytest-timeout', 'ruff'],

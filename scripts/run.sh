@@ -39,6 +39,11 @@ setup() {
         PIP_CONSTRAINT=constraints.txt pip install -q -r requirements.txt -e '.[test]'
         echo "$wanted" > "$stamp"
     fi
+    if ! python -c 'import torch.distributed, etcd3gw' 2>/dev/null; then
+        echo "installing the [elastic] extra into .venv"
+        grep -v '^torch' scripts/requirements-elastic.txt | pip install -q -r /dev/stdin
+        pip install -q --no-deps "$(grep '^torch' scripts/requirements-elastic.txt | cut -d' ' -f1)"
+    fi
 }
 
 setup

@@ -1,12 +1,16 @@
 """A local directory smaller than the dataset: limit, eviction policies, shared ledger."""
+import fcntl
+import multiprocessing
 import os
 import threading
+import time
 
 import numpy
 import pytest
 from chainer.datasets import LabeledImageDataset
 from chainer.iterators.order_samplers import ShuffleOrderSampler
 
+import helpers
 from chainer_prefetch import PrefetchMultiprocessIterator
 from chainer_prefetch.staging.capacity import CapacityLedger, bytes_under
 from helpers import assert_examples_equal, make_jpeg_dataset
@@ -228,7 +232,7 @@ def test_worker_reads_the_source_when_a_copy_vanished(dataset, tmp_path):
     local_root = str(tmp_path / 'evicted')
     located = resolve_dataset_files(data).located(
         lambda path: os.path.join(local_root, os.path.basename(path)))
-    [(read_from, example, source_bytes)] = _load_in_this_process(
+    [(read_from, example, source_bytes, _)] = _load_in_this_process(
         data, located, local_root, [(0, 3, True)])
     assert read_from == 'fallback' and source_bytes == 0  # no files given
     assert_examples_equal([example], [data[3]])
@@ -255,7 +259,7 @@ def test_worker_does_not_retry_an_error_that_is_not_about_a_local_copy(
     for error in (ValueError('bug in a transform'),
                   FileNotFoundError(2, 'elsewhere', '/etc/no-such-file')):
         calls = []
-        [(read_from, raised, traceback_text)] = _load_in_this_process(
+        [(read_from, raised, traceback_text, *_)] = _load_in_this_process(
             data, _BrokenView(calls, error), local_root, [(0, 3, True)])
         assert read_from is None and type(raised) is type(error)
         assert calls == [3] and type(error).__name__ in traceback_text
@@ -277,3 +281,52 @@ def test_a_filled_directory_is_reused_without_evictions(dataset, tmp_path):
     assert stats['files_evicted'] == 0
     assert stats['files_copied'] == 0
     assert stats['local_bytes_used'] <= total
+
+
+def _hold_ledger(root, locked, release):
+    """Child: a peer process holding the directory's ledger lock."""
+    fd = os.open(os.path.join(root, '.capacity'), os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    locked.set()
+    release.wait(30)
+    os._exit(0)
+
+
+def test_holds_and_uses_never_wait_for_another_process_s_ledger(tmp_path):
+    """A peer holding the ledger lock (stopped, say) blocks only the copies that
+    need room, never what the pipeline thread asks of the store."""
+    from chainer_prefetch.staging import LocalDirectory, LocalStore, PlainFile
+    sources = []
+    for name in ('a', 'b'):
+        path = str(tmp_path / 'shared' / name)
+        helpers.write_random_file(path, 1000)
+        sources.append(PlainFile(path))
+    root = str(tmp_path / 'local')
+    store = LocalStore(LocalDirectory(root), capacity_bytes=10000)
+    try:
+        assert store.stage(0, [sources[0]], now=0).staged
+        store.used(0, 0, 100)
+        context = multiprocessing.get_context('fork')
+        locked, release = context.Event(), context.Event()
+        peer = context.Process(target=_hold_ledger, args=(root, locked, release))
+        peer.start()
+        try:
+            assert locked.wait(10)
+            copier = threading.Thread(target=store.stage,
+                                      args=(1, [sources[1]], 1), daemon=True)
+            copier.start()
+            time.sleep(0.3)
+            assert copier.is_alive()  # waiting for the ledger
+            started = time.monotonic()
+            assert store.hold(0, 2)
+            store.used(0, 2, 200)
+            store.forget_next_uses()
+            assert time.monotonic() - started < 0.2
+        finally:
+            release.set()
+            peer.join(10)
+        copier.join(10)
+        assert not copier.is_alive()
+        assert store.bytes_used() == 2000
+    finally:
+        store.close()

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 
@@ -279,7 +280,8 @@ def test_exception_in_training_loop_inside_with_stops_everything(images, tmp_pat
                 if number == 3:
                     _assert_was_running(snapshot)
                     raise ZeroDivisionError('an error in the training loop')
-    del it
+    # A delivered batch views shared memory until the user drops it.
+    del it, batch
     snapshot.assert_clean()
 
 
@@ -299,7 +301,7 @@ _SCRIPT = textwrap.dedent('''
         dataset, 2, n_processes=2, local_dir={local_dir!r}, n_copy_threads=2,
         n_copy_ahead=2)
     for number, batch in enumerate(it):  # a training loop
-        if number == 1:  # the buffers are allocated after the first batch
+        if number == 4:  # buffers come after the first batch is measured
             print('WORKERS', *sorted(helpers.worker_children()), flush=True)
             print('SEGMENTS', *sorted(helpers.mapped_segments()), flush=True)
         print('BATCH', number, flush=True)
@@ -320,7 +322,7 @@ def _run_script(images, tmp_path):
             workers = [int(p) for p in line.split()[1:]]
         if line.startswith('SEGMENTS'):
             segments = line.split()[1:]
-        if line.startswith('BATCH 2'):
+        if line.startswith('BATCH 5'):
             break
     assert workers is not None and len(workers) == 2, process.stderr.read()
     assert all(helpers.is_running(pid) for pid in workers)
@@ -403,3 +405,105 @@ def test_two_iterators_share_one_local_directory(images, tmp_path):
                for s in stats) == 2 * N_IMAGES, stats
     assert os.listdir(os.path.join(local_dir, '.partial')) == []
 
+
+
+# ---- bounded shutdown, shared memory, start methods -------------------------------
+
+def _parent_of(pid):
+    return int(helpers._read('/proc/{}/stat'.format(pid)).rsplit(')', 1)[1].split()[1])
+
+
+def test_finalize_keeps_one_deadline_while_shared_storage_hangs(tmp_path):
+    """Every copy thread stuck opening a source (a FIFO nobody writes behaves
+    like a hung file system): finalize() still returns within its deadline."""
+    from chainer_prefetch.iterators._executor import STOP_SECONDS
+    shared = tmp_path / 'shared'
+    shared.mkdir()
+    fifos = []
+    for i in range(8):
+        path = str(shared / 'hung{}.jpg'.format(i))
+        os.mkfifo(path)
+        fifos.append(path)
+    dataset = chainer.datasets.ImageDataset(fifos)
+    it = _iterator(dataset, str(tmp_path / 'local'), batch_size=2,
+                   n_copy_threads=4)
+    consumer = threading.Thread(target=_next_quietly, args=(it,), daemon=True)
+    consumer.start()
+    time.sleep(1.0)  # the copy threads are blocked in open() now
+    try:
+        started = time.monotonic()
+        it.finalize()
+        took = time.monotonic() - started
+        assert took < STOP_SECONDS + 1.0, took
+        consumer.join(5)
+        assert not consumer.is_alive()  # next() ended too (with an error)
+    finally:
+        for path in fifos:  # release the stuck threads: EOF for each reader
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # ENXIO: nobody has it open for reading
+                pass
+
+
+def _next_quietly(it):
+    try:
+        it.next()
+    except Exception:
+        pass
+
+
+def test_shared_memory_is_anonymous_not_in_dev_shm(tmp_path):
+    """Buffers are memfd segments: the size of /dev/shm (64 MB in containers)
+    does not matter, and nothing is left there, even after a SIGKILL."""
+    before = set(os.listdir('/dev/shm'))
+    snapshot = helpers.ResourceSnapshot()
+    dataset = [numpy.full((256, 1024), i, numpy.float32) for i in range(16)]
+    it = PrefetchMultiprocessIterator(dataset, 4, n_processes=2,
+                                      shared_mem=2 ** 20)
+    try:
+        for _ in range(6):
+            batch = it.next()
+            assert all(example.shape == (256, 1024) for example in batch)
+        assert helpers.wait_until(snapshot.record, 5)
+        assert all(segment.startswith('memfd:chainer_prefetch-batch')
+                   for segment in snapshot.ours), snapshot.ours
+        assert set(os.listdir('/dev/shm')) == before
+    finally:
+        it.finalize()
+    del batch  # delivered arrays view the memory until dropped
+    snapshot.assert_clean()
+
+
+def test_shared_memory_larger_than_the_machine_warns_and_pickles():
+    dataset = [numpy.full(8, i, numpy.float32) for i in range(8)]
+    it = PrefetchMultiprocessIterator(dataset, 4, n_processes=2, shuffle=False,
+                                      shared_mem=2 ** 45)
+    try:
+        with pytest.warns(RuntimeWarning, match='examples travel by pickling'):
+            batches = [it.next() for _ in range(2)]
+    finally:
+        it.finalize()
+    got = numpy.concatenate([numpy.stack(batch) for batch in batches])
+    numpy.testing.assert_array_equal(got[:, 0], numpy.arange(8))
+
+
+def test_workers_are_never_forked_from_a_process_running_threads():
+    """With another thread running (here a user's; also the iterator's own
+    threads when maxtasksperchild replaces a worker), loader processes come
+    from the fork server, not from fork()."""
+    stop = threading.Event()
+    user_thread = threading.Thread(target=stop.wait, daemon=True)
+    user_thread.start()
+    it = PrefetchMultiprocessIterator(numpy.arange(20), 2, n_processes=2,
+                                      maxtasksperchild=2)
+    try:
+        seen = set()
+        for _ in range(15):
+            it.next()
+            seen.update(it._executor._pool.pids())
+        assert len(seen) > 2  # workers were replaced
+        parents = {_parent_of(pid) for pid in seen if helpers.is_running(pid)}
+        assert os.getpid() not in parents, parents
+    finally:
+        stop.set()
+        it.finalize()

@@ -58,6 +58,8 @@ class Driver:
         self.cancellable = cancellable
         self.copied = []  # every Copy action, in order
         self.buffers_in_use = collections.Counter()
+        self.buffers_alive = set()
+        self.handed_over = []  # buffers the consumer holds, oldest first
         self.generation = 0
         self.step(s.Start())
 
@@ -73,9 +75,11 @@ class Driver:
         if isinstance(action, s.Copy):
             self.copies[action.copy_id] = action
             self.copied.append(action)
-        elif isinstance(action, s.Load):
+        if isinstance(action, s.Load):
             self.loads[action.task_id] = action
             if action.buffer is not None:
+                assert action.buffer not in self.handed_over, \
+                    'a load into a buffer the consumer holds'
                 self.buffers_in_use[action.buffer] += 1
         elif isinstance(action, s.Hold):
             kept = tuple((p, i) for p, i, _ in action.entries
@@ -93,13 +97,21 @@ class Driver:
                 del self.copies[copy_id]
             self.cancelled.extend(ids)
             return [s.CopiesCancelled(ids)] if ids else []
-        elif isinstance(action, s.AllocateBuffers):
-            return [s.BuffersAllocated(action.count)]
+        elif isinstance(action, s.AllocateBuffer):
+            assert action.buffer not in self.buffers_alive
+            self.buffers_alive.add(action.buffer)
+            return [s.BufferAllocated(action.buffer, True)]
+        elif isinstance(action, s.FreeBuffer):
+            assert self.buffers_in_use[action.buffer] == 0
+            assert action.buffer not in self.handed_over
+            self.buffers_alive.remove(action.buffer)
         elif isinstance(action, s.Deliver):
             self.delivered.append(action)
             if action.kind == 'batch' and action.buffer is not None:
                 assert self.buffers_in_use[action.buffer] == 0, \
                     'a buffer delivered while loads still write into it'
+                if action.hand_over:
+                    self.handed_over.append(action.buffer)
             answers = []
             if action.measure:
                 answers.append(s.Measured(8))
@@ -135,8 +147,11 @@ class Driver:
         self.step(s.Loaded(task_id, tuple(results)))
         return action
 
-    def consume(self):
+    def consume(self, keep=1):
+        """Takes a batch; the consumer keeps the arrays of the last ``keep``."""
         self.step(s.Consumed(self.generation))
+        while len(self.handed_over) > keep:
+            self.step(s.BufferReleased(self.handed_over.pop(0)))
 
     def reset(self, state):
         self.generation += 1

@@ -207,52 +207,110 @@ class CopyThreads:
 
 
 class SharedBuffers:
-    """Anonymous shared memory for the batches being loaded (``memfd``).
+    """Anonymous shared memory for batches (``memfd``), one buffer per batch.
+
+    A delivered batch's arrays are views of its buffer when it is handed
+    over; a finalizer on the memory the views share reports when the
+    consumer has dropped them all.
 
     Args:
         pool: The loader processes to share the buffers with.
+        post: Where :class:`~._scheduler.BufferReleased` events go.
     """
 
-    def __init__(self, pool: WorkerPool):
+    def __init__(self, pool: WorkerPool, post):
         self._pool = pool
-        self._maps = []
-        self.example_bytes = 0
+        self._post = post
+        self._maps = {}  # id -> mmap
+        self._slot_bytes = {}  # id -> bytes per example
 
-    def allocate(self, count: int, example_bytes: int, batch_size: int
+    def allocate(self, buffer: int, example_bytes: int, batch_size: int
                  ) -> Optional[str]:
-        """Allocates ``count`` buffers; returns why not (``None`` if allocated)."""
+        """Allocates ``buffer``; returns why not (``None`` if allocated).
+
+        Refused when it would take more than half of the memory available
+        now (its pages are touched only as examples are written, and running
+        out then would bring the out-of-memory killer).
+        """
         size = example_bytes * batch_size
-        maps, fds = [], []
+        available = available_memory()
+        if available is not None and size > available // 2:
+            return ('{} bytes of shared memory is more than half of the {} '
+                    'bytes available'.format(size, available))
+        fd = None
         try:
-            for _ in range(count):
-                fd = os.memfd_create('chainer_prefetch-batch', os.MFD_CLOEXEC)
-                fds.append(fd)
-                os.ftruncate(fd, size)
-                os.posix_fallocate(fd, 0, size)  # fail now, not with SIGBUS later
-                maps.append(mmap.mmap(fd, size))
+            fd = os.memfd_create('chainer_prefetch-batch', os.MFD_CLOEXEC)
+            os.ftruncate(fd, size)
+            self._maps[buffer] = mmap.mmap(fd, size)
+            self._pool.share_fd(buffer, fd)
         except (OSError, AttributeError) as error:
-            for buffer in maps:
-                buffer.close()
-            for fd in fds:
+            self._maps.pop(buffer, None)
+            return '{} bytes of shared memory: {}'.format(
+                size, getattr(error, 'strerror', None) or error)
+        finally:
+            if fd is not None:
                 os.close(fd)
-            return '{} x {} bytes of shared memory: {}'.format(
-                count, size, getattr(error, 'strerror', None) or error)
-        for key, fd in enumerate(fds):
-            self._pool.share_fd(key, fd)
-            os.close(fd)
-        self._maps = maps
-        self.example_bytes = example_bytes
+        self._slot_bytes[buffer] = example_bytes
         return None
 
-    def copy_out(self, key: int, n_examples: int) -> numpy.ndarray:
-        """A private copy of the first ``n_examples`` regions of buffer ``key``."""
-        used = n_examples * self.example_bytes
-        return numpy.frombuffer(self._maps[key], numpy.uint8, used).copy()
+    def slot_bytes(self, buffer: Optional[int]) -> int:
+        """Bytes per example of ``buffer`` (0 if it does not exist)."""
+        return self._slot_bytes.get(buffer, 0)
+
+    def unpack(self, buffer: Optional[int], examples, hand_over: bool) -> list:
+        """The examples with their arrays read from ``buffer``.
+
+        With ``hand_over`` the arrays are views of the buffer, and
+        ``BufferReleased`` is posted once they are all gone; otherwise they
+        are copies and the buffer is free at once.
+        """
+        memory = self._maps.get(buffer)
+        if memory is None:
+            return examples
+        base = numpy.frombuffer(memory, numpy.uint8)
+        if hand_over:
+            weakref.finalize(base, self._post, s.BufferReleased(buffer))
+        return [_worker.unpack(example, base, copy=not hand_over)
+                for example in examples]
+
+    def free(self, buffer: int):
+        """Unmaps ``buffer`` here and in the loader processes."""
+        memory = self._maps.pop(buffer, None)
+        self._slot_bytes.pop(buffer, None)
+        if memory is not None:
+            self._pool.unshare_fd(buffer)
+            _close_map(memory)
 
     def close(self):
-        for buffer in self._maps:
-            buffer.close()
-        self._maps = []
+        for buffer in list(self._maps):
+            _close_map(self._maps.pop(buffer))
+        self._slot_bytes.clear()
+
+
+def _close_map(memory):
+    try:
+        memory.close()
+    except BufferError:
+        pass  # arrays of a delivered batch still view it: freed with them
+
+
+def available_memory() -> Optional[int]:
+    """Bytes of memory available now: the system's, or the cgroup's if smaller."""
+    found = []
+    try:
+        with open('/proc/meminfo') as meminfo:
+            for line in meminfo:
+                if line.startswith('MemAvailable:'):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open('/sys/fs/cgroup/memory.max') as limit, \
+                open('/sys/fs/cgroup/memory.current') as current:
+            found.append(int(limit.read()) - int(current.read()))
+    except (OSError, ValueError):  # no cgroup v2 limit ('max')
+        pass
+    return min(found) if found else None
 
 
 class Executor:
@@ -297,7 +355,7 @@ class Executor:
             settings.n_processes, _worker.initialize_worker,
             (settings.dataset, self._located_dataset, local_root, self._files),
             settings.maxtasksperchild)
-        self._buffers = SharedBuffers(self._pool)
+        self._buffers = SharedBuffers(self._pool, self._events.put)
         if self._store is not None:
             self._copies = CopyThreads(settings.n_copy_threads, self._copy,
                                        self._events.put)
@@ -330,6 +388,9 @@ class Executor:
                 thread.join(max(0.0, deadline - time.monotonic()))
         if self._pool is not None:
             self._pool.close(deadline)
+        self.mailbox.restart()  # batches nobody took: their buffers go now
+        while not self._events.empty():
+            self._events.get_nowait()
         if self._buffers is not None:
             self._buffers.close()
 
@@ -403,8 +464,10 @@ class Executor:
             cancelled = self._copies.cancel(action.copy_ids)
             if cancelled:
                 return [s.CopiesCancelled(cancelled)]
-        elif kind is s.AllocateBuffers:
+        elif kind is s.AllocateBuffer:
             return [self._allocate(action)]
+        elif kind is s.FreeBuffer:
+            self._buffers.free(action.buffer)
         elif kind is s.ForgetNextUses:
             self._store.forget_next_uses()
         else:
@@ -419,12 +482,12 @@ class Executor:
                         result.bytes_read, result.evicted)
 
     def _load(self, action: s.Load):
-        buffer = action.buffer
+        slot_bytes = self._buffers.slot_bytes(action.buffer)
+        buffer = action.buffer if slot_bytes else None
         try:
             self._pool.submit(
                 action.task_id, _worker.load_examples,
-                (action.entries, buffer,
-                 self._buffers.example_bytes if buffer is not None else 0),
+                (action.entries, buffer, slot_bytes),
                 self._loaded_callback(action))
         except RuntimeError:  # closed while shutting down
             pass
@@ -436,13 +499,13 @@ class Executor:
                 value = [(None, value, None)]
             results = []
             for (position, index, _), answer in zip(action.entries, value):
-                read_from, example, detail = answer
+                read_from, example, detail = answer[:3]
                 if read_from is None:
                     results.append(s.LoadFailure(self._load_error(
                         index, example, detail)))
                     break
                 results.append(s.LoadResult(example, _READ_FROM[read_from],
-                                            detail))
+                                            detail, answer[3]))
             self._events.put(s.Loaded(task_id, tuple(results)))
         return on_done
 
@@ -460,16 +523,16 @@ class Executor:
                     index, ', '.join(files) or 'none known', error))
         return example_load_error(error, index, files, remote_traceback)
 
-    def _allocate(self, action: s.AllocateBuffers) -> s.BuffersAllocated:
-        problem = self._buffers.allocate(action.count, action.example_bytes,
+    def _allocate(self, action: s.AllocateBuffer) -> s.BufferAllocated:
+        problem = self._buffers.allocate(action.buffer, action.example_bytes,
                                          self._settings.batch_size)
         if problem is None:
-            return s.BuffersAllocated(action.count)
+            return s.BufferAllocated(action.buffer, True)
         warnings.warn('Shared memory for the loader processes is not available '
                       '({}); examples travel by pickling instead, which is '
                       'slower. Set shared_mem smaller, or free memory.'
                       .format(problem), RuntimeWarning)
-        return s.BuffersAllocated(0)
+        return s.BufferAllocated(action.buffer, False)
 
     def _deliver(self, action: s.Deliver) -> list:
         generation = action.generation
@@ -479,15 +542,13 @@ class Executor:
         if action.kind == 'failure':
             self.mailbox.put(Failure(action.error), generation)
             return []
-        examples = action.examples
-        if action.buffer is not None:
-            memory = self._buffers.copy_out(action.buffer, len(examples))
-            examples = [_worker.unpack(example, memory) for example in examples]
+        examples = self._buffers.unpack(action.buffer, action.examples,
+                                        action.hand_over)
         self.mailbox.put((examples, action.state), generation)
         answers = []
         if action.measure:
             answers.append(s.Measured(max(
-                (_worker.example_bytes(example) for example in examples),
+                (_worker.slot_bytes(example) for example in examples),
                 default=0)))
         if action.cache_wants:
             answers.append(s.CacheOffers(tuple(

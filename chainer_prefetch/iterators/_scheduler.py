@@ -47,10 +47,15 @@ first batch needs).  :meth:`Scheduler.check_invariants` asserts all of this.
 
 Shared memory
 -------------
-Loader processes write arrays into one of ``DECODE_WINDOW`` buffers, one per
-batch being loaded.  A buffer is reused only when its batch has been
-delivered (or discarded by a reset) *and* every load task writing into it has
-answered.
+Loader processes write a batch's arrays into its shared buffer (a slot of
+``example_bytes`` per example; see :class:`_Buffers`).  The delivered batch's
+arrays are views of the buffer (no copy), so the buffer belongs to the
+consumer until it drops them; then it is reused.  A buffer is written only
+while its batch is in flight, and reused only when its batch has been
+delivered and released, or discarded by a reset, *and* every load task
+writing into it has answered.  When every buffer the cap allows is taken, a
+batch is copied out of its buffer instead.  An example larger than its slot
+travels by pickling, and later buffers get larger slots.
 """
 import collections
 import dataclasses
@@ -96,7 +101,7 @@ class ReadFrom(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Start:
-    """The pipeline starts (buffers of a given ``shared_mem`` are allocated now)."""
+    """The pipeline starts."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,11 +148,16 @@ class Held:
 
 @dataclasses.dataclass(frozen=True)
 class LoadResult:
-    """One example loaded by stage 3."""
+    """One example loaded by stage 3.
+
+    ``unfit_bytes`` is the example's size when its arrays did not fit its
+    slot of the shared buffer (they travelled by pickling), else 0.
+    """
 
     example: Any
     read_from: ReadFrom
     source_bytes: int = 0
+    unfit_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,10 +186,18 @@ class Measured:
 
 
 @dataclasses.dataclass(frozen=True)
-class BuffersAllocated:
-    """The executor allocated this many shared-memory buffers (0: none possible)."""
+class BufferAllocated:
+    """The answer to :class:`AllocateBuffer`; ``ok`` is false if it could not be."""
 
-    count: int
+    buffer: int
+    ok: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferReleased:
+    """The consumer dropped every array of the batch delivered in ``buffer``."""
+
+    buffer: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,11 +257,18 @@ class Load:
 
 
 @dataclasses.dataclass(frozen=True)
-class AllocateBuffers:
-    """Allocate ``count`` shared-memory buffers of ``example_bytes`` per example."""
+class AllocateBuffer:
+    """Allocate shared buffer ``buffer``: ``example_bytes`` per example of a batch."""
 
-    count: int
+    buffer: int
     example_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FreeBuffer:
+    """Free shared buffer ``buffer`` (nothing uses it any more)."""
+
+    buffer: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,9 +277,12 @@ class Deliver:
 
     ``kind`` is ``'batch'`` (``examples`` as loaded, to unpack from
     ``buffer``), ``'end'`` (``repeat=False`` and the epoch is over) or
-    ``'failure'`` (``error``).  ``cache_wants`` lists ``(position, index,
-    epoch)`` of the examples the next-epoch cache wants a copy of (answer:
-    :class:`CacheOffers`); ``measure`` asks for a :class:`Measured` answer.
+    ``'failure'`` (``error``).  With ``hand_over`` the examples are views of
+    the buffer, which the consumer then holds (answer, later:
+    :class:`BufferReleased`); without, they are copied out of it.
+    ``cache_wants`` lists ``(position, index, epoch)`` of the examples the
+    next-epoch cache wants a copy of (answer: :class:`CacheOffers`);
+    ``measure`` asks for a :class:`Measured` answer.
     """
 
     kind: str
@@ -262,6 +290,7 @@ class Deliver:
     state: Optional[lookahead.LookaheadState] = None
     examples: Optional[List[Any]] = None
     buffer: Optional[int] = None
+    hand_over: bool = False
     error: Optional[BaseException] = None
     cache_wants: Tuple[Tuple[int, int, int], ...] = ()
     measure: bool = False
@@ -308,6 +337,78 @@ class SchedulerConfig:
     item_of: Optional[numpy.ndarray] = None
     example_bytes: Optional[int] = None
     revalidate_each_epoch: bool = False
+
+
+class _Buffers:
+    """Which shared buffer each batch loads into: pure bookkeeping.
+
+    A buffer is *free*, *in flight* (its batch loads into it) or *handed
+    over* (the consumer holds the delivered batch's arrays, views of it).
+    At most ``cap`` buffers exist; one whose slot size is outdated is freed
+    when it comes back instead of being reused.
+
+    Args:
+        cap: Most buffers at once.
+        example_bytes: Slot size per example (``None``: not known yet;
+            0: no shared memory).
+    """
+
+    def __init__(self, cap: int, example_bytes: Optional[int]):
+        self.cap = cap
+        # A user's shared_mem, with room for the alignment of a few arrays.
+        self.example_bytes = (example_bytes and
+                              -(-example_bytes // 64) * 64 + 256)
+        self._ids = itertools.count()
+        self._slot_bytes: Dict[int, int] = {}  # every live buffer
+        self._free: List[int] = []
+
+    def acquire(self, emit) -> Optional[int]:
+        """A buffer for a batch, or ``None`` (pickle, or all are taken).
+
+        Emits :class:`FreeBuffer` for outdated free buffers and
+        :class:`AllocateBuffer` for a new one.
+        """
+        if not self.example_bytes:
+            return None
+        while self._free:
+            buffer = self._free.pop()
+            if self._slot_bytes[buffer] == self.example_bytes:
+                return buffer
+            self._drop(buffer, emit)
+        if len(self._slot_bytes) >= self.cap:
+            return None
+        buffer = next(self._ids)
+        self._slot_bytes[buffer] = self.example_bytes
+        emit(AllocateBuffer(buffer, self.example_bytes))
+        return buffer
+
+    def available(self) -> bool:
+        """Whether a batch could get a buffer now."""
+        return bool(self.example_bytes) and (
+            bool(self._free) or len(self._slot_bytes) < self.cap)
+
+    def release(self, buffer: int, emit):
+        """Its batch is done with ``buffer`` (delivered and dropped, or discarded)."""
+        if buffer not in self._slot_bytes:
+            return  # its allocation failed
+        if self._slot_bytes[buffer] == self.example_bytes:
+            self._free.append(buffer)
+        else:
+            self._drop(buffer, emit)
+
+    def failed(self, buffer: int):
+        """Allocating ``buffer`` failed: no shared memory from now on."""
+        self._slot_bytes.pop(buffer, None)
+        self.example_bytes = 0
+
+    def grow(self, needed: int):
+        """An example of ``needed`` bytes did not fit: later buffers get room for it."""
+        if self.example_bytes and needed > self.example_bytes:
+            self.example_bytes = -(-needed * 5 // 4 // 4096) * 4096
+
+    def _drop(self, buffer, emit):
+        del self._slot_bytes[buffer]
+        emit(FreeBuffer(buffer))
 
 
 class _Batch:
@@ -390,10 +491,8 @@ class Scheduler:
         self._exhausted = False
         self.taken = self.delivered = self.generated = 0
         self._delivered_ever = 0  # batches delivered since the start (slow start)
-        self._example_bytes = config.example_bytes
-        self._buffers_requested = False
-        self._buffer_count: Optional[int] = None  # None: not allocated yet
-        self._free_buffers: List[int] = []
+        self._buffers = _Buffers(DECODE_WINDOW + config.n_prefetch + 2,
+                                 config.example_bytes)
         self._cache_epoch = -1  # the cache dropped what epochs before this left
         self._measure_next = config.example_bytes is None
         n_items = (config.dataset_length if config.item_of is None
@@ -440,10 +539,7 @@ class Scheduler:
     # ---- event handlers -------------------------------------------------------
 
     def _on_Start(self, event):
-        if self._example_bytes:
-            self._request_buffers()
-        elif self._example_bytes == 0:
-            self._buffer_count = 0  # shared_mem=0: arrays are pickled
+        pass
 
     def _on_Consumed(self, event):
         if event.generation == self._generation:
@@ -544,18 +640,19 @@ class Scheduler:
             batch.results[position] = result.example
             batch.done += 1
             self._count_load(batch, position, result)
+            if result.unfit_bytes:
+                self._buffers.grow(result.unfit_bytes)
 
     def _on_Measured(self, event):
-        if self._example_bytes is None:
-            self._example_bytes = event.example_bytes
-            if event.example_bytes:
-                self._request_buffers()
-            else:
-                self._buffer_count = 0  # examples without arrays
+        if self._buffers.example_bytes is None:  # 0: examples without arrays
+            self._buffers.example_bytes = event.example_bytes
 
-    def _on_BuffersAllocated(self, event):
-        self._buffer_count = event.count
-        self._free_buffers = list(range(event.count))
+    def _on_BufferAllocated(self, event):
+        if not event.ok:
+            self._buffers.failed(event.buffer)
+
+    def _on_BufferReleased(self, event):
+        self._buffers.release(event.buffer, self._emit)
 
     def _on_CacheOffers(self, event):
         for index, epoch, example, n_bytes in event.offers:
@@ -705,10 +802,7 @@ class Scheduler:
         if not (batch.ready_local or batch.ready_source):
             return
         if batch.buffer is None and not batch.dispatched:
-            if self._free_buffers:
-                batch.buffer = self._free_buffers.pop()
-            elif self._buffers_requested and self._buffer_count != 0:
-                return  # wait: buffers are being allocated, or all in use
+            batch.buffer = self._buffers.acquire(self._emit)
         for position in batch.ready_source:  # slow reads: one per task
             self._load(batch, (position,))
         batch.ready_source = []
@@ -790,8 +884,10 @@ class Scheduler:
             self._emit(Deliver('failure', self._generation, error=head.error))
             self._discard(head)
         else:
+            hand_over = head.buffer is not None and self._buffers.available()
             action = Deliver('batch', self._generation, state=head.state,
                              examples=head.results, buffer=head.buffer,
+                             hand_over=hand_over,
                              cache_wants=self._cache_wants(head),
                              measure=self._measure_next)
             self._emit(action)
@@ -799,6 +895,8 @@ class Scheduler:
                 outcome = 'answer'
             self._measure_next = False
             head.results = None
+            if hand_over:
+                head.buffer = None  # the consumer's until BufferReleased
             self._discard(head)
         self._in_flight.popleft()
         self.delivered += 1
@@ -865,14 +963,9 @@ class Scheduler:
         if not batch.discarded or batch.outstanding:
             return
         if batch.buffer is not None:
-            self._free_buffers.append(batch.buffer)
+            self._buffers.release(batch.buffer, self._emit)
             batch.buffer = None
         self._batches.pop(batch.id, None)
-
-    def _request_buffers(self):
-        if not self._buffers_requested:
-            self._buffers_requested = True
-            self._emit(AllocateBuffers(DECODE_WINDOW, self._example_bytes))
 
     def _live_waiters(self, copy):
         """The accesses waiting for ``copy`` whose batch is still in flight."""

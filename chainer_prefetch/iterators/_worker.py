@@ -38,6 +38,8 @@ _buffers = {}
 
 #: Codes of where an example was read (see ``_scheduler.ReadFrom``).
 LOCAL, SOURCE, FALLBACK = 'local', 'source', 'fallback'
+#: Arrays start at multiples of this in a shared buffer.
+_ALIGN = 64
 
 
 def initialize_worker(original_dataset, located_dataset, local_root,
@@ -54,6 +56,7 @@ def initialize_worker(original_dataset, located_dataset, local_root,
     global _original_dataset, _located_dataset, _local_root, _dataset_files
     # Ctrl-C goes to the whole process group; the owner process stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _worker_pool.on_drop(drop_buffer)
     _original_dataset = original_dataset
     _located_dataset = located_dataset
     _local_root = None if local_root is None else os.path.join(local_root, '')
@@ -72,9 +75,10 @@ def load_examples(entries, buffer_key, example_bytes):
         example_bytes: Bytes of each example's region of the buffer.
 
     Returns:
-        One ``(read_from, example, source_bytes)`` per entry, or, from the
-        first example that fails, ``(None, exception, traceback_text)`` and
-        nothing after it.
+        One ``(read_from, example, source_bytes, unfit_bytes)`` per entry
+        (``unfit_bytes``: the example's size if its arrays did not fit its
+        region, else 0), or, from the first example that fails, ``(None,
+        exception, traceback_text)`` and nothing after it.
     """
     buffer = None if buffer_key is None else _buffer(buffer_key)
     results = []
@@ -93,11 +97,13 @@ def load_examples(entries, buffer_key, example_bytes):
         except Exception as error:
             results.append((None, _picklable(error), traceback.format_exc()))
             break
+        unfit = 0
         if buffer is not None:
             start = position * example_bytes
-            example = pack(example, buffer, start, start + example_bytes)
+            example, unfit = pack(example, buffer, start, start + example_bytes)
         results.append((read_from, example,
-                        0 if read_from == LOCAL else _source_bytes(index)))
+                        0 if read_from == LOCAL else _source_bytes(index),
+                        unfit))
     return results
 
 
@@ -130,12 +136,18 @@ def _picklable(error: BaseException) -> BaseException:
         return RuntimeError('{}: {}'.format(type(error).__name__, error))
 
 
-def _buffer(key) -> memoryview:
+def _buffer(key) -> numpy.ndarray:
     buffer = _buffers.get(key)
     if buffer is None:
         fd = _worker_pool.shared_fd(key)
-        buffer = _buffers[key] = memoryview(mmap.mmap(fd, os.fstat(fd).st_size))
+        buffer = _buffers[key] = numpy.frombuffer(
+            mmap.mmap(fd, os.fstat(fd).st_size), numpy.uint8)
     return buffer
+
+
+def drop_buffer(key):
+    """The pool dropped shared buffer ``key``: unmap it (called by the worker loop)."""
+    _buffers.pop(key, None)
 
 
 # ---- the shared-memory format ---------------------------------------------------
@@ -155,8 +167,14 @@ class Packed:
 
 
 def example_bytes(example) -> int:
-    """Bytes of the arrays that :func:`pack` would write for ``example``."""
+    """Bytes of the arrays of ``example`` (what a deep copy of it holds)."""
     return sum(array.nbytes for array in _arrays(example))
+
+
+def slot_bytes(example) -> int:
+    """Bytes a region of a shared buffer needs to hold ``example`` (see :func:`pack`)."""
+    return sum(-(-array.nbytes // _ALIGN) * _ALIGN + _ALIGN
+               for array in _arrays(example))
 
 
 def _arrays(example):
@@ -170,36 +188,50 @@ def _arrays(example):
     return []
 
 
-def pack(example, buffer: memoryview, offset: int, limit: int):
-    """Writes the arrays of ``example`` into ``buffer[offset:limit]``; returns the packed form."""
+def pack(example, buffer: numpy.ndarray, offset: int, limit: int):
+    """Writes the arrays of ``example`` into ``buffer[offset:limit]`` (one copy each).
+
+    Returns:
+        ``(packed example, unfit_bytes)``: ``unfit_bytes`` is the example's
+        size when an array did not fit (it stays in the example, to be
+        pickled), else 0.
+    """
+    unfit = False
+
     def put(value):
-        nonlocal offset
-        if (not isinstance(value, numpy.ndarray) or value.dtype.hasobject
-                or offset + value.nbytes > limit):
+        nonlocal offset, unfit
+        if not isinstance(value, numpy.ndarray) or value.dtype.hasobject:
             return value
-        target = numpy.frombuffer(buffer, value.dtype, value.size, offset)
-        target[...] = value.ravel()
-        packed = Packed(value.dtype, value.shape, offset)
-        offset += value.nbytes
-        return packed
+        start = -(-offset // _ALIGN) * _ALIGN
+        if start + value.nbytes > limit:
+            unfit = True
+            return value
+        target = buffer[start:start + value.nbytes].view(value.dtype)
+        numpy.copyto(target.reshape(value.shape), value)
+        offset = start + value.nbytes
+        return Packed(value.dtype, value.shape, start)
 
     if isinstance(example, numpy.ndarray):
-        return put(example)
-    if type(example) in (tuple, list):
-        return type(example)(put(value) for value in example)
-    if type(example) is dict:
-        return {key: put(value) for key, value in example.items()}
-    return example
+        packed = put(example)
+    elif type(example) in (tuple, list):
+        packed = type(example)(put(value) for value in example)
+    elif type(example) is dict:
+        packed = {key: put(value) for key, value in example.items()}
+    else:
+        packed = example
+    return packed, (slot_bytes(example) if unfit else 0)
 
 
-def unpack(example, memory) -> Any:
-    """Replaces :class:`Packed` markers by arrays viewing ``memory``."""
+def unpack(example, memory: numpy.ndarray, copy: bool = False) -> Any:
+    """Replaces :class:`Packed` markers by arrays of ``memory`` (views, or copies)."""
     def get(value):
         if type(value) is not Packed:
             return value
-        count = int(numpy.prod(value.shape, dtype=numpy.int64))
-        return numpy.frombuffer(memory, value.dtype, count,
-                                value.offset).reshape(value.shape)
+        size = int(numpy.prod(value.shape, dtype=numpy.int64)) * \
+            value.dtype.itemsize
+        array = memory[value.offset:value.offset + size].view(
+            value.dtype).reshape(value.shape)
+        return array.copy() if copy else array
 
     if type(example) is Packed:
         return get(example)

@@ -127,6 +127,19 @@ class WorkerPool:
             for worker in self._workers:
                 self._send_fd(worker, key, self._shared_fds[key])
 
+    def unshare_fd(self, key):
+        """Tells every worker to forget ``key`` (see :meth:`share_fd`)."""
+        with self._lock:
+            fd = self._shared_fds.pop(key, None)
+            if fd is None:
+                return
+            os.close(fd)
+            for worker in self._workers:
+                try:
+                    worker.connection.send(('drop', key))
+                except OSError:
+                    worker.gone = True
+
     def pids(self) -> List[int]:
         """Pids of the current workers."""
         with self._lock:
@@ -330,11 +343,18 @@ def _remaining(deadline: float) -> float:
 # ---- the worker process ---------------------------------------------------------
 
 _shared_fds: Dict[Any, int] = {}
+_on_drop: List[Callable[[Any], None]] = []  # called with a dropped key
 
 
 def shared_fd(key) -> int:
     """In a worker: the descriptor the pool shared as ``key`` (see ``share_fd``)."""
     return _shared_fds[key]
+
+
+def on_drop(forget: Callable[[Any], None]):
+    """In a worker: calls ``forget(key)`` when the pool drops a shared descriptor."""
+    if forget not in _on_drop:
+        _on_drop.append(forget)
 
 
 def _worker_main(connection, initializer, initargs, max_tasks, owner_pid):
@@ -351,6 +371,11 @@ def _worker_main(connection, initializer, initargs, max_tasks, owner_pid):
         if message[0] == 'fd':
             _shared_fds[message[1]] = multiprocessing.reduction.recv_handle(
                 connection)
+            continue
+        if message[0] == 'drop':
+            os.close(_shared_fds.pop(message[1]))
+            for forget in _on_drop:
+                forget(message[1])
             continue
         _, task_id, function, args = message
         try:

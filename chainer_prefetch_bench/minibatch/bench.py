@@ -6,9 +6,15 @@ an ImageNet-like JPEG dataset (``testbed.jpeg_dataset``) that sits on emulated
 shared storage (``testbed.storage``, a real FUSE mount):
 
 ``baseline-local``   Chainer's MultiprocessIterator reading the local copy
-                     (the paper's baseline+SSD: the ideal case).
+                     (the paper's baseline+SSD: the ideal case), with
+                     ``shared_mem`` sized for the largest example, as a
+                     careful user sets it.
 ``baseline-remote``  MultiprocessIterator reading through the mount
-                     (baseline+Lustre).
+                     (baseline+Lustre), ``shared_mem`` sized likewise.
+``baseline-local-unsized``, ``baseline-remote-unsized``
+                     The same with Chainer's default ``shared_mem=None``
+                     (sized from the first batch: larger examples are
+                     pickled).
 ``proposed-cold``    PrefetchMultiprocessIterator reading the mount and
                      staging into an empty local directory.
 ``proposed-warm``    The same with the local directory already filled.
@@ -18,6 +24,15 @@ shared storage (``testbed.storage``, a real FUSE mount):
                      baseline-local (the paper's Table 3 accounting).
 ``multithread``      Chainer's MultithreadIterator through the mount.
 ``torch``            PyTorch's DataLoader through the mount (if installed).
+``decode-limit``     No iterator: the loader processes only read and decode
+                     their share of the local copies (the machine's limit
+                     for the loaders; images/s is what to compare).
+
+Our iterators run with their default settings (``shared_mem=None``).
+Besides time, each run reports the training process's own CPU time per
+batch (``own_cpu_ms_per_batch``: every thread of the process that calls
+``next()``, not its loader processes), which on a GPU node is taken from
+the training loop.
 
 Every run happens in a fresh child process (so start-up costs are counted
 the same way for all) with the same shuffled order of examples.  Before
@@ -56,9 +71,10 @@ from chainer_prefetch_bench.testbed.prepare import prepare_jpeg_benchmark
 from chainer_prefetch_bench.testbed.processes import answer_child, run_in_child
 from chainer_prefetch_bench.testbed.report import write_json
 
-METHODS = ('baseline-local', 'baseline-remote', 'proposed-cold',
-           'proposed-warm', 'prefetch-local', 'copy-then-local',
-           'multithread', 'torch')
+METHODS = ('baseline-local', 'baseline-remote', 'baseline-local-unsized',
+           'baseline-remote-unsized', 'proposed-cold', 'proposed-warm',
+           'prefetch-local', 'copy-then-local', 'multithread', 'torch',
+           'decode-limit')
 BATCH_SIZE = 32
 ORDER_SEED = 0
 COPIERS = 8
@@ -77,9 +93,12 @@ def _make_iterator(method, dataset, config):
 
     import chainer_prefetch
     n = config['n_processes']
-    if method in ('baseline-local', 'baseline-remote', 'copy-then-local'):
+    if method.startswith('baseline') or method == 'copy-then-local':
+        shared_mem = (None if method.endswith('-unsized')
+                      else config['shared_mem'])
         return MultiprocessIterator(dataset, BATCH_SIZE, n_processes=n,
-                                    order_sampler=_order_sampler())
+                                    order_sampler=_order_sampler(),
+                                    shared_mem=shared_mem)
     if method in ('proposed-cold', 'proposed-warm', 'prefetch-local'):
         return chainer_prefetch.PrefetchMultiprocessIterator(
             dataset, BATCH_SIZE, n_processes=n, order_sampler=_order_sampler(),
@@ -111,21 +130,57 @@ def _torch_batches(dataset, n_processes):
     return iter(loader)
 
 
+def _decode_share(args):
+    """In a decode-limit process: reads and decodes every ``step``-th example."""
+    import chainer
+    list_file, root, start, step, count = args
+    dataset = chainer.datasets.LabeledImageDataset(list_file, root)
+    for index in range(start, count, step):
+        dataset[index]
+    return 0
+
+
+def _decode_limit(config):
+    """Images/s of n processes that only decode their share (no iterator)."""
+    import multiprocessing
+    count = config['n_batches'] * BATCH_SIZE
+    n = config['n_processes']
+    shares = [(config['list_file'], config['local_root'], start, n, count)
+              for start in range(n)]
+    with multiprocessing.get_context('fork').Pool(n) as pool:
+        pool.map(_decode_share, [(a, b, 0, 1, 0) for a, b, *_ in shares])
+        started = time.perf_counter()
+        pool.map(_decode_share, shares, chunksize=1)
+        seconds = time.perf_counter() - started
+    return {'method': 'decode-limit', 'n_processes': n,
+            'n_copy_threads': None, 'n_batches': config['n_batches'],
+            'repeat': config['repeat'], 'total_s': seconds,
+            'first_batch_s': 0.0, 'copy_s': 0.0, 'cumulative_s': [seconds],
+            'cpu_s': 0.0, 'own_cpu_s': 0.0, 'own_cpu_ms_per_batch': 0.0,
+            'images_per_s': count / seconds, 'peak_rss_mb_main': 0.0,
+            'peak_rss_mb_largest_child': 0.0, 'processes': n,
+            'threads_copy': 0, 'iterator_stats': None}
+
+
 def run_one(config):
     """Times one run in this (child) process; returns the result dict."""
     import chainer
 
     method = config['method']
+    if method == 'decode-limit':
+        return _decode_limit(config)
     started = time.perf_counter()
     copy_s = 0.0
     root = config['remote_root']
-    if method in ('baseline-local', 'prefetch-local'):
+    if method in ('baseline-local', 'baseline-local-unsized',
+                  'prefetch-local'):
         root = config['local_root']
     elif method == 'copy-then-local':
         copy_s = copy_dataset(config['remote_root'], config['list_file'],
                               config['copy_target'], COPIERS)
         root = config['copy_target']
     dataset = chainer.datasets.LabeledImageDataset(config['list_file'], root)
+    own_cpu_started = time.process_time()
     iterator = _make_iterator(method, dataset, config)
     cumulative = []
     try:
@@ -133,6 +188,8 @@ def run_one(config):
             batch = next(iterator)
             assert len(batch) == BATCH_SIZE
             cumulative.append(time.perf_counter() - started)
+        del batch
+        own_cpu_s = time.process_time() - own_cpu_started
     finally:
         stats = getattr(iterator, 'stats', None)
         if hasattr(iterator, 'finalize'):
@@ -151,6 +208,10 @@ def run_one(config):
         'cumulative_s': [round(t, 4) for t in cumulative],
         'cpu_s': own.ru_utime + own.ru_stime + children.ru_utime
         + children.ru_stime,
+        'own_cpu_s': own_cpu_s,
+        'own_cpu_ms_per_batch': 1000 * own_cpu_s / config['n_batches'],
+        'images_per_s': config['n_batches'] * BATCH_SIZE / (
+            cumulative[-1] - copy_s),
         'peak_rss_mb_main': own.ru_maxrss / 1024,
         'peak_rss_mb_largest_child': children.ru_maxrss / 1024,
         'processes': 1 + (0 if method == 'multithread' else
@@ -193,6 +254,23 @@ def fill_local_dir(config):
         list(pool.map(directory.stage, sources))
 
 
+def largest_example_bytes(list_file, root) -> int:
+    """Bytes of the largest example LabeledImageDataset makes (float32 CHW + label).
+
+    Read from the JPEG headers, without decoding: what a careful user sets
+    as ``shared_mem``.
+    """
+    from PIL import Image
+    largest = 0
+    with open(list_file) as lines:
+        for line in lines:
+            if line.strip():
+                with Image.open(os.path.join(root, line.split()[0])) as image:
+                    width, height = image.size
+                largest = max(largest, width * height * 3 * 4)
+    return largest + 4
+
+
 def torch_available():
     try:
         import torch  # NOQA: F401
@@ -232,28 +310,38 @@ def summarize(runs):
             'first_batch_s': statistics.median(r['first_batch_s']
                                                for r in members),
             'cpu_s': statistics.median(r['cpu_s'] for r in members),
+            'own_cpu_ms_per_batch': statistics.median(
+                r.get('own_cpu_ms_per_batch', 0.0) for r in members),
+            'images_per_s': statistics.median(
+                r.get('images_per_s', 0.0) for r in members),
             'processes': members[0]['processes'],
             'runs': len(members)}
     return summary
 
 
 def print_table(summary, copy_threads):
-    print('\n{:<16} {:>5} {:>7} {:>10} {:>12} {:>8} {:>10} {:>10}'.format(
-        'method', 'procs', 'threads', 'total s', 'first batch', 'CPU s',
-        'vs remote', 'vs local'))
+    print('\n{:<24} {:>5} {:>7} {:>9} {:>11} {:>7} {:>9} {:>8} {:>9} '
+          '{:>9}'.format('method', 'procs', 'threads', 'total s',
+                         'first batch', 'CPU s', 'own ms/b', 'img/s',
+                         'vs remote', 'vs local'))
     for (method, n, threads), row in sorted(
             summary.items(), key=lambda item: (item[0][1], METHODS.index(
                 item[0][0]), item[0][2] or 0)):
         remote = summary.get(('baseline-remote', n, None))
         local = summary.get(('baseline-local', n, None))
-        print('{:<16} {:>5} {:>7} {:>10.2f} {:>12.3f} {:>8.1f} {:>10} '
-              '{:>10}'.format(
+        is_limit = method == 'decode-limit'
+        print('{:<24} {:>5} {:>7} {:>9.2f} {:>11.3f} {:>7.1f} {:>9.1f} '
+              '{:>8.0f} {:>9} {:>9}'.format(
                   method, n, threads or '-', row['total_s'],
                   row['first_batch_s'], row['cpu_s'],
-                  _ratio(remote, row), _ratio(row, local)))
+                  row['own_cpu_ms_per_batch'], row['images_per_s'],
+                  '-' if is_limit else _ratio(remote, row),
+                  '-' if is_limit else _ratio(row, local)))
     print('\n"vs remote": baseline-remote time / this time (higher is '
           'better); "vs local": this time / baseline-local time (1.00 is '
-          'local speed).')
+          'local speed); "own ms/b": CPU time of the training process per '
+          'batch; the baselines\' shared_mem is sized for the largest '
+          'example unless "-unsized".')
     check_targets(summary, copy_threads)
 
 
@@ -284,6 +372,18 @@ def check_targets(summary, copy_threads):
         if warm:
             lines.append(('proposed-warm / baseline-local <= 1',
                           warm['total_s'] / local['total_s'], 1.0, False))
+            lines.append(('own CPU per batch, proposed-warm / baseline-local'
+                          ' <= 1', warm['own_cpu_ms_per_batch']
+                          / local['own_cpu_ms_per_batch'], 1.0, False))
+        lines.append(('own CPU per batch, proposed-cold / baseline-remote'
+                      ' <= 2', cold['own_cpu_ms_per_batch']
+                      / remote['own_cpu_ms_per_batch'], 2.0, False))
+        limit = summary.get(('decode-limit', n, None))
+        ours_local = summary.get(('prefetch-local', n, None)) or warm
+        if limit and ours_local:
+            lines.append(('images/s of ours on local files / decode limit'
+                          ' >= 0.9', ours_local['images_per_s']
+                          / limit['images_per_s'], 0.9, True))
         lines.append(('processes proposed / baseline <= 1',
                       cold['processes'] / remote['processes'], 1.0, False))
         for text, value, bound, at_least in lines:
@@ -346,6 +446,7 @@ def main(argv=None):
     if dataset_dir is None:
         return 2
     list_file = os.path.join(dataset_dir, 'train.txt')
+    shared_mem = largest_example_bytes(list_file, dataset_dir)
     mountpoint = os.path.join(args.workdir, 'mnt')
     local_dir = os.path.join(args.workdir, 'local')
     copy_target = os.path.join(args.workdir, 'copy')
@@ -361,7 +462,8 @@ def main(argv=None):
         for config in plan_runs(args):
             config.update(n_batches=args.batches, list_file=list_file,
                           local_root=dataset_dir, remote_root=mountpoint,
-                          local_dir=local_dir, copy_target=copy_target)
+                          local_dir=local_dir, copy_target=copy_target,
+                          shared_mem=shared_mem)
             for path in (local_dir, copy_target):
                 shutil.rmtree(path, ignore_errors=True)
             if config['method'] == 'proposed-warm':
@@ -372,15 +474,19 @@ def main(argv=None):
             result['storage_daemon_cpu_s'] = (mount.cpu_seconds()
                                               - daemon_cpu_before)
             runs.append(result)
-            print('{method:<16} procs {n_processes:>2} threads '
-                  '{n_copy_threads:>2} run {repeat}: {total_s:7.2f} s, first '
-                  'batch {first_batch_s:.3f} s'.format(**result), flush=True)
+            print('{:<24} procs {:>2} threads {:>2} run {}: {:7.2f} s, first '
+                  'batch {:.3f} s, {:.0f} images/s'.format(
+                      result['method'], result['n_processes'],
+                      result['n_copy_threads'] or '-', result['repeat'],
+                      result['total_s'], result['first_batch_s'],
+                      result['images_per_s']), flush=True)
     for path in (local_dir, copy_target):
         shutil.rmtree(path, ignore_errors=True)
     report = {'command': 'python -m {} {}'.format(__spec__.name, ' '.join(argv)),
               'machine': machine_description(), 'preset': args.preset,
               'storage_params': storage.PRESETS[args.preset],
               'calibration': calibration, 'batch_size': BATCH_SIZE,
+              'baseline_shared_mem': shared_mem,
               'n_images': args.n_images, 'runs': runs}
     write_json(args.out, report)
     print_table(summarize(runs), args.copy_threads)

@@ -89,6 +89,7 @@ from chainer.training import extensions
 # ``models``, ``node_resources`` and ``time_breakdown`` live next to this
 # script: Python puts a script's folder first on its path (and the
 # forkserver's children inherit that path).
+from elastic_training import add_elastic_arguments
 from models import ARCHS
 from node_resources import cpus_available, default_loaderjob, node_cpu_sets
 from time_breakdown import COMPONENTS, TimedUpdater, install_time_breakdown
@@ -248,6 +249,7 @@ def parse_args(argv=None):
     parser.add_argument('--progress', action='store_true',
                         help='show a progress bar on rank 0')
     add_fault_tolerance_arguments(parser)
+    add_elastic_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -396,6 +398,9 @@ def main(argv=None):
 
     if args.fault_tolerance is not None:
         return train_fault_tolerant(args)
+    if args.elastic is not None:
+        from elastic_training import train_elastic
+        return train_elastic(args, sys.modules[__name__])
 
     comm = chainermn.create_communicator(args.communicator)
     if args.gpu:
@@ -458,12 +463,7 @@ def main(argv=None):
         if comm.rank == 0:
             print('Pinned copy: {}'.format(train_iter.mode))
 
-    optimizer = chainermn.create_multi_node_optimizer(
-        chainer.optimizers.MomentumSGD(lr=lr, momentum=args.momentum), comm)
-    optimizer.setup(model)
-    if args.weight_decay > 0:
-        optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
-            args.weight_decay))
+    optimizer = make_optimizer(args, model, comm)
 
     if args.time_breakdown:
         # Times load / forward / backward / allreduce / other per iteration
@@ -519,6 +519,30 @@ def main(argv=None):
 
     # Trainer.run finalizes the updater's and the evaluator's iterators.
     trainer.run()
+
+
+def make_optimizer(args, model, comm):
+    """The multi-node MomentumSGD of ``--fault-tolerance`` and
+    ``--elastic`` (learning rate scaled to the global batch)."""
+    lr = args.lr * args.batchsize * comm.size / 256.0
+    optimizer = chainermn.create_multi_node_optimizer(
+        chainer.optimizers.MomentumSGD(lr=lr, momentum=args.momentum), comm)
+    optimizer.setup(model)
+    if args.weight_decay > 0:
+        optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
+            args.weight_decay))
+    return optimizer
+
+
+def shard_iterator_factories(args):
+    """``(train_iterator(shard, order_sampler=None), val_iterator(shard))``
+    factories (``order_sampler``: the exact epochs of ``--fault-tolerance``)."""
+    def train_iterator(shard, order_sampler=None):
+        return make_iterator(args, shard, args.batchsize, True, order_sampler)
+
+    def val_iterator(shard):
+        return make_iterator(args, shard, args.val_batchsize, False)
+    return train_iterator, val_iterator
 
 
 def train_fault_tolerant(args):
@@ -602,20 +626,8 @@ def train_fault_tolerant(args):
     device = chainer.get_device('@numpy')
     set_loaderjob(args, comm, collective=False)
     model = chainer.links.Classifier(ARCHS[args.arch](n_class=n_class))
-    lr = args.lr * args.batchsize * comm.size / 256.0
-    optimizer = chainermn.create_multi_node_optimizer(
-        chainer.optimizers.MomentumSGD(lr=lr, momentum=args.momentum), comm)
-    optimizer.setup(model)
-    if args.weight_decay > 0:
-        optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
-            args.weight_decay))
-
-    def train_iterator(shard, order_sampler):
-        return make_iterator(args, shard, args.batchsize, True, order_sampler)
-
-    def val_iterator(shard):
-        return make_iterator(args, shard, args.val_batchsize, False)
-
+    optimizer = make_optimizer(args, model, comm)
+    train_iterator, val_iterator = shard_iterator_factories(args)
     updater = training.updaters.StandardUpdater(
         train_iterator(ft_training.shard(train, comm.size, comm.rank,
                                          args.seed),
@@ -742,4 +754,4 @@ def _validation_event(events, comm):
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Elastic training experiments: fixed sizes, growth, shrinkage, re-split reads."""
