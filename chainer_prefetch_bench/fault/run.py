@@ -338,10 +338,31 @@ CURVE_PLANS = (('no failure', 'respawn-spares', False),
 
 
 def experiment_curves(setup: Setup, work: str, n: int, repeats: int,
-                      fail_at: float, seconds: float) -> List[Dict]:
+                      fail_at: float, seconds: float,
+                      labels: Sequence[str] = tuple(p[0] for p in CURVE_PLANS)
+                      ) -> List[Dict]:
+    """Learning-curve jobs: every plan of ``CURVE_PLANS`` named in
+    ``labels``, ``repeats`` times (interleaved), each cut at ``seconds`` of
+    wall time.
+
+    Args:
+        setup: What the jobs share.
+        work: Scratch folder (the jobs' output goes to ``work/curves``).
+        n: Ranks.
+        repeats: Runs of each plan.
+        fail_at: Seconds of training before rank 1 is killed.
+        seconds: Wall time of every job.
+        labels: The plans to run.
+
+    Returns:
+        One record per job: its validation errors ``(seconds since launch,
+        error, iteration)``, the failure's time and the command.
+    """
     runs = []
     for repeat in range(repeats):
         for label, strategy, inject in CURVE_PLANS:
+            if label not in labels:
+                continue
             options = []
             if inject:
                 options = ['--inject-failure', 'kill', '--inject-rank',
@@ -466,7 +487,8 @@ def curves_table(curves: Dict) -> List[str]:
              '| run | ' + ' | '.join('by {:.0f} s'.format(t)
                                     for t in wall_times) + ' |',
              '|---|' + '---|' * len(wall_times)]
-    for label, _, _ in CURVE_PLANS:
+    for label in [p[0] for p in CURVE_PLANS
+                  if any(r['label'] == p[0] for r in runs)]:
         cells = []
         for t in wall_times:
             best = [best_error_by(r, t) for r in runs if r['label'] == label]
@@ -539,6 +561,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              'restart in a second table (not slept)')
     parser.add_argument('--curve-ranks', type=int, default=3)
     parser.add_argument('--curve-repeats', type=int, default=3)
+    parser.add_argument('--curve-plans', nargs='+',
+                        choices=[p[0] for p in CURVE_PLANS],
+                        default=[p[0] for p in CURVE_PLANS],
+                        help='the curve runs to make')
     parser.add_argument('--curve-seconds', type=float, default=None,
                         help='wall time of a curve job (default: '
                              '--run-seconds + 10)')
@@ -587,7 +613,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             runs = experiment_curves(
                 Setup(data, args.batch, args.lr, interval, 1000,
                       args.mpiexec_args), work,
-                args.curve_ranks, args.curve_repeats, curve_fail_at, seconds)
+                args.curve_ranks, args.curve_repeats, curve_fail_at, seconds,
+                args.curve_plans)
             save('curves.json', dict(runs=runs, wall_times=wall_times,
                                      fail_at=curve_fail_at,
                                      checkpoint_seconds=interval))
