@@ -397,11 +397,11 @@ def _median(values):
     return statistics.median(values) if values else float('nan')
 
 
-def _spread(values) -> str:
+def _spread(values, digits: int = 2) -> str:
     if not values:
         return '-'
-    return '{:.2f} [{:.2f}-{:.2f}]'.format(_median(values), min(values),
-                                           max(values))
+    return '{0:.{3}f} [{1:.{3}f}-{2:.{3}f}]'.format(
+        _median(values), min(values), max(values), digits)
 
 
 def recovery_table(recovery: List[Dict], queue_wait: float,
@@ -477,23 +477,33 @@ def checkpoint_table(cost: List[Dict]) -> List[str]:
 
 
 def curves_table(curves: Dict) -> List[str]:
+    """Best validation error by each of the wall times, and the wall time at
+    which the last two iterations that every run validated were reached."""
     runs, wall_times = curves['runs'], curves['wall_times']
     failures = [r['failure_s'] for r in runs if r['failure_s']]
-    lines = ['## Best validation error by a wall time since launch (median '
-             '[min-max] of {} runs; failure at {:.0f} s of training, {:.0f}-'
-             '{:.0f} s after launch)'.format(
+    labels = [p[0] for p in CURVE_PLANS
+              if any(r['label'] == p[0] for r in runs)]
+    common = sorted(set.intersection(*(
+        {i for _, _, i in r['validation']} for r in runs)))[-2:]
+    lines = ['## Best validation error by a wall time since launch, and the '
+             'wall time since launch at which an iteration was validated '
+             '(median [min-max] of {} runs; failure at {:.0f} s of training, '
+             '{:.0f}-{:.0f} s after launch)'.format(
                  max(r['repeat'] for r in runs) + 1, curves['fail_at'],
                  min(failures), max(failures)), '',
-             '| run | ' + ' | '.join('by {:.0f} s'.format(t)
-                                    for t in wall_times) + ' |',
-             '|---|' + '---|' * len(wall_times)]
-    for label in [p[0] for p in CURVE_PLANS
-                  if any(r['label'] == p[0] for r in runs)]:
+             '| run | ' + ' | '.join('error by {:.0f} s'.format(t)
+                                    for t in wall_times)
+             + ''.join(' | s at iteration {}'.format(i) for i in common)
+             + ' |', '|---|' + '---|' * (len(wall_times) + len(common))]
+    for label in labels:
+        mine = [r for r in runs if r['label'] == label]
         cells = []
         for t in wall_times:
-            best = [best_error_by(r, t) for r in runs if r['label'] == label]
-            cells.append(_spread([b for b in best if b is not None]).replace(
-                '.2f', '.3f'))
+            best = [best_error_by(r, t) for r in mine]
+            cells.append(_spread([b for b in best if b is not None], 3))
+        for iteration in common:
+            cells.append(_spread([t for r in mine for t, _, i in
+                                  r['validation'] if i == iteration], 0))
         lines.append('| {} | {} |'.format(label, ' | '.join(cells)))
     return lines + ['']
 
