@@ -478,13 +478,18 @@ def checkpoint_table(cost: List[Dict]) -> List[str]:
 
 def curves_table(curves: Dict) -> List[str]:
     """Best validation error by each of the wall times, and the wall time at
-    which the last two iterations that every run validated were reached."""
+    which two iterations that every run validated were reached: the first
+    validated after every run's failure, and the last."""
     runs, wall_times = curves['runs'], curves['wall_times']
     failures = [r['failure_s'] for r in runs if r['failure_s']]
     labels = [p[0] for p in CURVE_PLANS
               if any(r['label'] == p[0] for r in runs)]
     common = sorted(set.intersection(*(
-        {i for _, _, i in r['validation']} for r in runs)))[-2:]
+        {i for _, _, i in r['validation']} for r in runs)))
+    after = [i for i in common if all(t > max(failures) for r in runs
+                                      for t, _, j in r['validation']
+                                      if j == i)]
+    shown = sorted({after[0], common[-1]}) if after else common[-1:]
     lines = ['## Best validation error by a wall time since launch, and the '
              'wall time since launch at which an iteration was validated '
              '(median [min-max] of {} runs; failure at {:.0f} s of training, '
@@ -493,15 +498,15 @@ def curves_table(curves: Dict) -> List[str]:
                  min(failures), max(failures)), '',
              '| run | ' + ' | '.join('error by {:.0f} s'.format(t)
                                     for t in wall_times)
-             + ''.join(' | s at iteration {}'.format(i) for i in common)
-             + ' |', '|---|' + '---|' * (len(wall_times) + len(common))]
+             + ''.join(' | s at iteration {}'.format(i) for i in shown)
+             + ' |', '|---|' + '---|' * (len(wall_times) + len(shown))]
     for label in labels:
         mine = [r for r in runs if r['label'] == label]
         cells = []
         for t in wall_times:
             best = [best_error_by(r, t) for r in mine]
             cells.append(_spread([b for b in best if b is not None], 3))
-        for iteration in common:
+        for iteration in shown:
             cells.append(_spread([t for r in mine for t, _, i in
                                   r['validation'] if i == iteration], 0))
         lines.append('| {} | {} |'.format(label, ' | '.join(cells)))
