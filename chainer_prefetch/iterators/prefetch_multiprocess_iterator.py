@@ -136,6 +136,16 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             newcomer out when it is needed after everything stored),
             ``'lru'`` (least recently used) or ``'fill_once'`` (keep the
             first copies that fit, never evict).
+        columnar (bool): Load whole batches as columns (see
+            :mod:`chainer_prefetch.columnar`): each batch is one task of a
+            loader process, which calls the dataset's ``get_columns(indices)``
+            and writes the columns into shared memory; ``next()`` returns a
+            :class:`~chainer_prefetch.columnar.ColumnarBatch` (a sequence of
+            examples; :data:`~chainer_prefetch.columnar.concat_columns` is
+            its converter).  ``None`` (default): when the dataset has
+            ``get_columns``.  ``shared_mem`` is then bytes per row; with
+            ``maxtasksperchild`` a task is a batch.  Cannot be combined with
+            the next-epoch cache.
 
     Attributes:
         settings (IteratorSettings): The options, validated; each is also
@@ -156,12 +166,13 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                  maxtasksperchild=None, *, local_dir=None, n_copy_threads=16,
                  n_copy_ahead=16, local_capacity=None,
                  eviction_policy='belady', next_epoch_cache_examples=None,
-                 next_epoch_cache_bytes=None):
+                 next_epoch_cache_bytes=None, columnar=None):
         self.settings = IteratorSettings(
             dataset, batch_size, repeat, shuffle, n_processes, n_prefetch,
             shared_mem, order_sampler, dataset_timeout, maxtasksperchild,
             local_dir, n_copy_threads, n_copy_ahead, local_capacity,
-            eviction_policy, next_epoch_cache_examples, next_epoch_cache_bytes)
+            eviction_policy, next_epoch_cache_examples, next_epoch_cache_bytes,
+            columnar)
         self._initialize()
         self.reset()
 
@@ -222,7 +233,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             maxtasksperchild=settings.maxtasksperchild,
             staging=self._store is not None,
             limited=self._store is not None and self._store.limited,
-            item_of=self._item_of, example_bytes=settings.shared_mem)
+            item_of=self._item_of, example_bytes=settings.shared_mem,
+            columnar=settings.columnar, decode_window=settings.n_processes)
         self._executor = _executor.Executor(
             settings, _scheduler.Scheduler(config, self._state, cache),
             self._store, self._files, self._located_dataset, self._stop_event)
