@@ -296,3 +296,16 @@ def test_a_transform_failing_on_one_row_is_named(shop):
     assert 'batch_transform on 3 examples (40, 41, 50)' in message
     assert 'part-00001.parquet (row group 0)' in message
     assert 'part-00001.parquet (row group 1)' in message
+
+
+def test_columnar_is_the_default_unless_the_next_epoch_cache_is_on(shop):
+    from chainer_prefetch.iterators._settings import IteratorSettings
+    dataset = ParquetDataset(shop, columns=['id'])
+    assert IteratorSettings(dataset, 4).columnar
+    assert not IteratorSettings(dataset, 4, columnar=False).columnar
+    cached = IteratorSettings(dataset, 4, next_epoch_cache_examples=8)
+    assert not cached.columnar  # the cache keeps rows: the row path
+    with pytest.raises(ValueError, match='next-epoch cache'):
+        IteratorSettings(dataset, 4, next_epoch_cache_examples=8, columnar=True)
+    with pytest.raises(ValueError, match='get_columns'):
+        IteratorSettings(list(range(10)), 4, columnar=True)

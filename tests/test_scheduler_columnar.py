@@ -47,6 +47,11 @@ def test_columnar_batches_come_in_chainers_order():
         driver = ColumnarDriver(n=10, batch_size=3, staging=staging)
         assert driver.run(9) == chainer_batches(10, 3, 0, 9)
         assert all(d.columnar for d in driver.delivered if d.kind == 'batch')
+        # Batches spanning two epochs count their rows in each.
+        for epoch in (0, 1):
+            counts = driver.scheduler.by_epoch[epoch]
+            assert counts['examples_from_local'] + \
+                counts['examples_from_source'] == 10
 
 
 def test_a_batch_is_one_task_after_every_unit_is_staged():

@@ -24,6 +24,7 @@ import numpy
 
 from chainer_prefetch.columnar import ColumnarBatch, VarColumn
 from chainer_prefetch.iterators import _worker
+from chainer_prefetch.staging.sources import as_source
 
 _ALIGN = 64
 
@@ -160,6 +161,28 @@ def _read(indices: numpy.ndarray, local: numpy.ndarray):
     return joined.take(order), read_from
 
 
+def _source_bytes(indices: numpy.ndarray) -> int:
+    """Bytes of shared storage that reading rows ``indices`` cost (an estimate).
+
+    Rows of one row group share its files: each file is looked at once.
+    """
+    if _worker._dataset_files is None:
+        return 0
+    per_file = {}
+    total = 0
+    for index in indices:
+        for named in _worker._dataset_files.files(int(index)):
+            if named not in per_file:
+                source = as_source(named)
+                try:
+                    per_file[named] = source.source_bytes_per_example(
+                        source.stat_origin())
+                except OSError:
+                    per_file[named] = 0
+            total += per_file[named]
+    return total
+
+
 def load_columns(indices: numpy.ndarray, local: numpy.ndarray, buffer_key):
     """Loads one batch as columns; the answer of one ``LoadColumns`` task.
 
@@ -183,9 +206,7 @@ def load_columns(indices: numpy.ndarray, local: numpy.ndarray, buffer_key):
         index = getattr(error, 'index', None)
         return (None, _worker._picklable(error), traceback.format_exc(),
                 int(indices[0]) if index is None else index)
-    source_bytes = sum(_worker._source_bytes(int(index))
-                       for index in indices[~local]) if (
-        _worker._dataset_files is not None) else 0
+    source_bytes = _source_bytes(indices[~local])
     unfit = 0
     if buffer_key is not None:
         batch, unfit = pack_columns(batch, _worker._buffer(buffer_key))

@@ -827,13 +827,13 @@ class Scheduler:
         if not self.config.columnar:
             return _Batch(next(self._ids), indices, self._state, first_access)
         rows = numpy.asarray(indices, dtype=numpy.int64)
+        epochs = (first_access + numpy.arange(len(rows))
+                  ) // self.config.dataset_length
         if not self.config.staging:
-            keys = numpy.zeros(len(rows), dtype=numpy.int64)  # one unit
+            keys = epochs  # one unit per epoch the batch spans
         else:
             item_of = self.config.item_of
             items = rows if item_of is None else item_of[rows]
-            epochs = (first_access + numpy.arange(len(rows))
-                      ) // self.config.dataset_length
             keys = epochs * (len(self._known_local) + 1) + items
         return _UnitBatch(next(self._ids), rows, self._state, first_access,
                           keys)

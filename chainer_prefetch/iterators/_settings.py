@@ -70,7 +70,8 @@ class IteratorSettings:
         if self.columnar and not has_columns:
             raise ValueError('columnar=True needs a dataset with get_columns(indices); '
                              '{} has none'.format(type(self.dataset).__name__))
-        columnar = has_columns if self.columnar is None else self.columnar
+        columnar = (has_columns and not self.next_epoch_cache
+                    if self.columnar is None else self.columnar)
         if columnar and self.next_epoch_cache:
             raise ValueError('the next-epoch cache does not apply to columnar '
                              'batches; pass columnar=False to load row by row')
