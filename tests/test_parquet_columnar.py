@@ -170,21 +170,29 @@ def test_every_row_once_per_epoch_each_row_group_read_once(shop, tmp_path):
     n_groups = len(dataset.row_group_sizes)
     largest = max(dataset.example_files(int(i))[0].estimated_local_bytes(None)
                   for i in range(0, ROWS, ROW_GROUP_ROWS))
-    for epoch_seed in (0, 1):
+    # With room for every row group, each is made once and every row read
+    # from it; with room for 8 of 12, the copy window (8 batches: about four
+    # windows of 3 row groups) runs past the room, so a row group may be
+    # left to the source for some rows, or evicted and made again (timing
+    # decides): every row still comes once.
+    for epoch_seed, room in ((0, n_groups), (1, 8)):
         local = str(tmp_path / 'local{}'.format(epoch_seed))
         sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes,
                                              window=3, seed=epoch_seed)
         iterator = PrefetchMultiprocessIterator(
             dataset, 16, repeat=False, n_processes=2, order_sampler=sampler,
-            local_dir=local, local_capacity=8 * largest, n_copy_ahead=8)
+            local_dir=local, local_capacity=room * largest, n_copy_ahead=8)
         try:
             assert sorted(_epoch_ids(iterator)) == list(range(ROWS))
             stats = iterator.stats
         finally:
             iterator.finalize()
-        assert stats['files_copied'] == n_groups
-        assert stats['examples_from_local'] == ROWS
-        assert stats['by_epoch'][0]['examples_from_local'] == ROWS
+        counts = stats['by_epoch'][0]
+        assert counts['examples_from_local'] + \
+            counts['examples_from_source'] == ROWS
+        if room == n_groups:
+            assert stats['files_copied'] == n_groups
+            assert counts['examples_from_local'] == ROWS
 
 
 @pytest.mark.slow
