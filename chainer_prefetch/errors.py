@@ -52,6 +52,10 @@ class UntrustedLocalDirectoryError(LocalStorageError):
     """The local directory could be written by another user (the message says how)."""
 
 
+class CopyLockTimeout(StagingError):
+    """Another process held a copy's lock too long (stopped?): the source is read instead."""
+
+
 class ParquetColumnError(ChainerPrefetchError, KeyError):
     """A requested column is not in the files (the message lists those that are)."""
 

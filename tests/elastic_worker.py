@@ -5,7 +5,9 @@ A small classifier on a generated dataset, trained with
 parameters, errors) go to ``--events`` as JSON lines.  ``--kill-at
 EVENT:GENERATION`` makes the process SIGKILL itself right after the
 communicator reports EVENT for GENERATION (e.g. ``decided:1``: the leader
-dies mid-rebuild).
+dies mid-rebuild).  ``--hold-until-size N`` slows training (0.5 s per
+iteration, for at most 60 s) until the job has had N members, so that a
+member started later joins before the job ends however slowly it starts.
 """
 import argparse
 import hashlib
@@ -69,6 +71,7 @@ def main():
     parser.add_argument('--etcd-timeout', type=float, default=5)
     parser.add_argument('--iteration-sleep', type=float, default=0.0)
     parser.add_argument('--kill-at', default=None)
+    parser.add_argument('--hold-until-size', type=int, default=0)
     args = parser.parse_args()
     events = EventLog(args.events, os.getpid())
 
@@ -109,9 +112,16 @@ def main():
         evaluator = chainermn.create_multi_node_evaluator(
             extensions.Evaluator(val_iterator(val), model), comm)
         trainer.extend(evaluator, trigger=(1, 'epoch'))
-        if args.iteration_sleep:
-            trainer.extend(lambda _: time.sleep(args.iteration_sleep),
-                           trigger=(1, 'iteration'), name='sleep')
+        held = {'reached': False, 'until': time.monotonic() + 60}
+
+        def pace(_):
+            held['reached'] = held['reached'] or (
+                comm.size >= args.hold_until_size)
+            holding = not held['reached'] and time.monotonic() < held['until']
+            time.sleep(0.5 if holding else args.iteration_sleep)
+
+        if args.iteration_sleep or args.hold_until_size:
+            trainer.extend(pace, trigger=(1, 'iteration'), name='sleep')
         elastic_training = elastic.ElasticTraining(
             comm, model, optimizer, updater, train, train_iterator, val,
             val_iterator, evaluator, trainer, epochs=args.epochs)

@@ -12,6 +12,7 @@ from chainer.iterators.order_samplers import ShuffleOrderSampler
 
 import helpers
 from chainer_prefetch import PrefetchMultiprocessIterator
+from chainer_prefetch.staging import capacity
 from chainer_prefetch.staging.capacity import CapacityLedger, bytes_under
 from helpers import assert_examples_equal, make_jpeg_dataset
 
@@ -60,9 +61,7 @@ class DirectoryWatcher:
         ledger = os.path.join(self.root, '.capacity')
         while not self._stop.is_set():
             if os.path.exists(ledger):
-                with open(ledger, 'rb') as f:
-                    self.ledger_samples.append(
-                        int.from_bytes(f.read(8) or b'\0', 'little'))
+                self.ledger_samples.append(capacity.used_bytes(self.root))
             self.walk_samples.append(
                 bytes_under(os.path.join(self.root, 'data')))
             self._stop.wait(0.002)
@@ -79,14 +78,18 @@ class DirectoryWatcher:
         assert self.ledger_samples and max(self.ledger_samples) <= limit
         copy_threads = iterators * COPY_THREADS
         assert max(self.walk_samples) <= limit + copy_threads * largest_file
-        with open(os.path.join(self.root, '.capacity'), 'rb') as f:
-            ledger_now = int.from_bytes(f.read(8), 'little')
+        ledger_now = capacity.used_bytes(self.root)
         assert bytes_under(os.path.join(self.root, 'data')) <= ledger_now
 
 
-def _run_epochs(iterator, n_epochs):
-    """Iterates ``n_epochs``, checking every batch against the dataset."""
+def _run_epochs(iterator, n_epochs, seconds_per_batch=0.0):
+    """Iterates ``n_epochs``, checking every batch against the dataset.
+
+    ``seconds_per_batch`` plays a training step, so that copies can keep
+    ahead of the consumer even on a loaded machine.
+    """
     for _ in range(n_epochs * N_IMAGES // BATCH):
+        time.sleep(seconds_per_batch)
         # N_IMAGES % BATCH == 0: a batch never spans two epochs.
         state = iterator._state
         indices = state.order[state.current_position:
@@ -144,7 +147,7 @@ def test_belady_reads_the_minimum_from_shared_storage(dataset, tmp_path):
     for policy in ('belady', 'lru', 'fill_once'):
         iterator = _iterator(data, tmp_path / policy, total // 2, policy)
         try:
-            stats = _run_epochs(iterator, 4)
+            stats = _run_epochs(iterator, 4, seconds_per_batch=0.02)
         finally:
             iterator.finalize()
         # Epoch 1 still copies what epoch 0 read from the source while the
@@ -302,7 +305,8 @@ def test_holds_and_uses_never_wait_for_another_process_s_ledger(tmp_path):
         helpers.write_random_file(path, 1000)
         sources.append(PlainFile(path))
     root = str(tmp_path / 'local')
-    store = LocalStore(LocalDirectory(root), capacity_bytes=10000)
+    store = LocalStore(LocalDirectory(root), capacity_bytes=10000,
+                       sources_of=lambda item: [sources[item]])
     try:
         assert store.stage(0, [sources[0]], now=0).staged
         store.used(0, 0, 100)

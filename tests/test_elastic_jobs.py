@@ -73,7 +73,7 @@ def _finished_identically(job, pids, size=None):
 
 
 def test_join_from_a_process_started_outside(etcd, job):
-    j = job('--policy', 'minmax:1', '--epochs', '5')
+    j = job('--policy', 'minmax:1', '--epochs', '5', '--hold-until-size', '3')
     _, first = _start_training(j, 2)
     joiner = j.start().pid
     j.wait_for(lambda j: all(3 in j.resumed_sizes(p) for p in first + [joiner]),
@@ -87,7 +87,8 @@ def test_join_from_a_process_started_outside(etcd, job):
 
 
 def test_burst_of_three_joins_is_one_rebuild(etcd, job):
-    j = job('--policy', 'minmax:1', '--epochs', '4', '--settle', '2')
+    j = job('--policy', 'minmax:1', '--epochs', '4', '--settle', '2',
+            '--hold-until-size', '4')
     first = j.start().pid
     j.wait_for(_running(j, first, 1), 60, 'one member training')
     time.sleep(1)
@@ -168,7 +169,8 @@ def test_minmax_standby_takes_over(etcd, job):
 
 
 def test_leader_killed_mid_rebuild(etcd, job):
-    j = job('--policy', 'minmax:1', '--epochs', '5', '--kill-at', 'decided:1')
+    j = job('--policy', 'minmax:1', '--epochs', '5', '--kill-at', 'decided:1',
+            '--hold-until-size', '3')
     first, pids = _start_training(j, 2)
     joiner = j.start()
     j.wait_for(lambda j: j.events('decided') and any(

@@ -415,8 +415,13 @@ class Executor:
         return item
 
     def restart(self, state):
-        """Discards everything in flight and continues from ``state``."""
+        """Discards everything in flight and continues from ``state``.
+
+        A loader pool broken by a dead worker gets fresh workers.
+        """
         generation = self.mailbox.restart()
+        if self._pool is not None:
+            self._pool.revive()
         self._events.put(s.Reset(state, generation))
 
     def stats(self) -> tuple:

@@ -40,6 +40,7 @@ class IteratorSettings:
     eviction_policy: str = 'belady'
     next_epoch_cache_examples: Optional[int] = None
     next_epoch_cache_bytes: Optional[int] = None
+    recheck_sources: str = 'each_epoch'
     columnar: Optional[bool] = None
 
     def __post_init__(self):
@@ -51,6 +52,9 @@ class IteratorSettings:
                 _check_positive_int(name, getattr(self, name))
         if self.shared_mem is not None and self.shared_mem != 0:
             _check_positive_int('shared_mem', self.shared_mem)
+        if self.recheck_sources not in RECHECK:
+            raise ValueError('recheck_sources must be one of {}, got {!r}'
+                             .format(', '.join(RECHECK), self.recheck_sources))
         if self.eviction_policy not in STRATEGIES:
             raise ValueError('eviction_policy must be one of {}, got {!r}'
                              .format(', '.join(STRATEGIES), self.eviction_policy))
@@ -90,6 +94,9 @@ class IteratorSettings:
         """The settings of a copy: the same sampler object, as Chainer's ``__copy__`` does."""
         return dataclasses.replace(self, shuffle=None)
 
+
+#: When a local copy is checked against its source again.
+RECHECK = ('each_epoch', 'never')
 
 FIELDS = frozenset(field.name for field in dataclasses.fields(IteratorSettings))
 

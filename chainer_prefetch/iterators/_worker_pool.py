@@ -16,7 +16,8 @@ holds:
 * a worker that dies otherwise (killed, out of memory, crashed initializer)
   fails its own tasks with :class:`~chainer_prefetch.errors.WorkerDiedError`
   naming its pid and exit code, and breaks the pool: every later task fails
-  the same way, and no replacement is started;
+  the same way, and no replacement is started until :meth:`WorkerPool.revive`
+  (the iterator's ``reset()`` calls it), which replaces every worker;
 * file descriptors (the shared-memory buffers) are passed to every worker,
   present and future, with :meth:`WorkerPool.share_fd`.
 
@@ -60,6 +61,7 @@ class _Worker:
         self.connection = connection
         self.assigned = 0  # tasks sent over its life
         self.gone = False  # a send failed: the process is dying
+        self.died_before_revive = False  # its death was already reported
         self.outstanding: Dict[int, Callback] = {}  # task id -> callback
 
 
@@ -76,6 +78,7 @@ class WorkerPool:
 
     def __init__(self, n_processes: int, initializer: Callable,
                  initargs: tuple, max_tasks: Optional[int] = None):
+        self._n_processes = n_processes
         self._initializer = initializer
         self._initargs = initargs
         self._max_tasks = max_tasks
@@ -126,6 +129,28 @@ class WorkerPool:
             self._shared_fds[key] = os.dup(fd)
             for worker in self._workers:
                 self._send_fd(worker, key, self._shared_fds[key])
+
+    def revive(self) -> bool:
+        """After a worker died: starts fresh workers and accepts tasks again.
+
+        Returns:
+            Whether the pool was broken (and is revived now).
+        """
+        with self._lock:
+            if self._broken is None or self._closed:
+                return False
+            # Every old worker goes: others may have been killed with the one
+            # that broke the pool and not be reaped yet (or not even dead:
+            # a SIGKILL takes a moment), and must not break the new pool.
+            for worker in self._workers:
+                worker.gone = worker.died_before_revive = True
+                if worker.process.is_alive():
+                    worker.process.kill()
+            self._broken = None
+            for _ in range(self._n_processes):
+                self._workers.append(self._start_worker())
+        self._wakeup_writer.send(None)  # the collector watches the new ones
+        return True
 
     def unshare_fd(self, key):
         """Tells every worker to forget ``key`` (see :meth:`share_fd`)."""
@@ -274,18 +299,21 @@ class WorkerPool:
             retired = (worker.process.exitcode == 0 and not worker.outstanding
                        and self._max_tasks is not None
                        and worker.assigned >= self._max_tasks)
-            if retired and self._broken is None:
+            if retired and self._broken is None and not worker.died_before_revive:
                 try:
                     self._workers.append(self._start_worker())
                 except Exception as error:  # e.g. out of memory
                     self._broken = WorkerDiedError(
                         'cannot start a replacement worker: {}'.format(error))
-            if not retired or self._broken is not None:
-                self._broken = self._broken or WorkerDiedError(
-                    'worker process {} exited with code {} holding {} '
-                    'task(s)'.format(worker.process.pid,
-                                     worker.process.exitcode,
-                                     len(worker.outstanding)))
+            died = WorkerDiedError(
+                'worker process {} exited with code {} holding {} task(s)'.format(
+                    worker.process.pid, worker.process.exitcode,
+                    len(worker.outstanding)))
+            if worker.died_before_revive:  # only its own tasks fail
+                finished += [(on_done, task_id, False, died)
+                             for task_id, on_done in worker.outstanding.items()]
+            elif not retired or self._broken is not None:
+                self._broken = self._broken or died
                 lost = [(on_done, task_id) for task_id, on_done
                         in worker.outstanding.items()]
                 lost += [(on_done, task_id) for task_id, _, on_done

@@ -13,7 +13,7 @@ from chainer_prefetch.iterators import _executor, _scheduler, _settings
 from chainer_prefetch.iterators._settings import IteratorSettings
 from chainer_prefetch.policy import lookahead
 from chainer_prefetch.policy.next_epoch_cache import NextEpochCache
-from chainer_prefetch.staging.dataset_files import resolve_dataset_files
+from chainer_prefetch.staging.dataset_files import ItemSources, resolve_dataset_files
 from chainer_prefetch.staging.local_directory import LocalDirectory
 from chainer_prefetch.staging.local_store import STORE_COUNTERS, LocalStore
 
@@ -136,6 +136,12 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             newcomer out when it is needed after everything stored),
             ``'lru'`` (least recently used) or ``'fill_once'`` (keep the
             first copies that fit, never evict).
+        recheck_sources (str): When a local copy is compared with its
+            source again (size and modification time: one ``stat`` of the
+            source on shared storage): ``'each_epoch'`` (default; a source
+            changed during training is copied again in the next epoch) or
+            ``'never'`` (checked when first copied in this run, then
+            trusted: no request to shared storage in later epochs).
         columnar (bool): Load whole batches as columns (see
             :mod:`chainer_prefetch.columnar`): each batch is one task of a
             loader process, which calls the dataset's ``get_columns(indices)``
@@ -166,13 +172,14 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                  maxtasksperchild=None, *, local_dir=None, n_copy_threads=16,
                  n_copy_ahead=16, local_capacity=None,
                  eviction_policy='belady', next_epoch_cache_examples=None,
-                 next_epoch_cache_bytes=None, columnar=None):
+                 next_epoch_cache_bytes=None, recheck_sources='each_epoch',
+                 columnar=None):
         self.settings = IteratorSettings(
             dataset, batch_size, repeat, shuffle, n_processes, n_prefetch,
             shared_mem, order_sampler, dataset_timeout, maxtasksperchild,
             local_dir, n_copy_threads, n_copy_ahead, local_capacity,
             eviction_policy, next_epoch_cache_examples, next_epoch_cache_bytes,
-            columnar)
+            recheck_sources, columnar)
         self._initialize()
         self.reset()
 
@@ -199,11 +206,15 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         files = resolve_dataset_files(settings.dataset)
         if files is None:
             return
+        item_of = files.item_of()
+        if item_of is not None:
+            item_of = numpy.asarray(item_of, dtype=numpy.int64)
         try:
             directory = LocalDirectory(settings.local_dir, self._stop_event)
             try:
-                self._store = LocalStore(directory, settings.local_capacity,
-                                         settings.eviction_policy)
+                self._store = LocalStore(
+                    directory, settings.local_capacity,
+                    settings.eviction_policy, ItemSources(files, item_of))
             except BaseException:
                 directory.close()
                 raise
@@ -212,10 +223,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                           'instead.'.format(error))
             return
         self._files = files
+        self._item_of = item_of
         self._located_dataset = files.located(directory.path_map)
-        item_of = files.item_of()
-        if item_of is not None:
-            self._item_of = numpy.asarray(item_of, dtype=numpy.int64)
 
     def _start_pipeline(self):
         settings = self.settings
@@ -234,6 +243,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             staging=self._store is not None,
             limited=self._store is not None and self._store.limited,
             item_of=self._item_of, example_bytes=settings.shared_mem,
+            revalidate_each_epoch=settings.recheck_sources == 'each_epoch',
             columnar=settings.columnar, decode_window=settings.n_processes)
         self._executor = _executor.Executor(
             settings, _scheduler.Scheduler(config, self._state, cache),

@@ -29,7 +29,6 @@ accesses: each strategy keeps one rank per stored item and a heap whose
 outdated entries are dropped whenever they outnumber the live ones.
 """
 import heapq
-import itertools
 from typing import Callable, Dict, Hashable, List, Mapping, Optional, Sequence
 
 NEVER = float('inf')  #: the next use of an item not used again (as far as known)
@@ -56,8 +55,7 @@ class EvictionStrategy:
         self._rank: Dict[Hashable, float] = {}
         self._last_use: Dict[Hashable, float] = {}
         self._held: Dict[Hashable, int] = {}
-        self._heap: List[tuple] = []  # (-rank, tie, item); outdated entries stay
-        self._tie = itertools.count()
+        self._heap: List[tuple] = []  # (-rank, item); outdated entries stay
 
     def __contains__(self, item) -> bool:
         return item in self._rank
@@ -83,8 +81,8 @@ class EvictionStrategy:
         It is not offered as a victim until :meth:`use` ends the hold.
         """
         self._held[item] = self._held.get(item, 0) + 1
-        if item not in self._rank:
-            self._set_rank(item, self._rank_for(now, NEVER))
+        if item not in self._rank:  # ranked (and offered) once its hold ends
+            self._rank[item] = self._rank_for(now, NEVER)
 
     def use(self, item, now: float, next_use: float):
         """Records that ``item`` is stored and used at ``now``, next at ``next_use``.
@@ -138,7 +136,7 @@ class EvictionStrategy:
         if not self.evicts:
             return None
         while self._heap:
-            negative, _, item = self._heap[0]
+            negative, item = self._heap[0]
             if self._rank.get(item) != -negative or item in self._held:
                 heapq.heappop(self._heap)  # outdated, or held: use() re-adds
                 continue
@@ -148,13 +146,13 @@ class EvictionStrategy:
     def _set_rank(self, item, rank: float):
         self._rank[item] = rank
         if self.evicts:
-            heapq.heappush(self._heap, (-rank, next(self._tie), item))
+            heapq.heappush(self._heap, (-rank, item))
             self._compact_if_needed()
 
     def _compact_if_needed(self):
         if len(self._heap) > 2 * len(self._rank) + 64:
-            self._heap = [(-rank, next(self._tie), item)
-                          for item, rank in self._rank.items()]
+            self._heap = [(-rank, item) for item, rank in self._rank.items()
+                          if item not in self._held]
             heapq.heapify(self._heap)
 
 

@@ -69,6 +69,8 @@ from chainer.datasets import (
     TupleDataset,
 )
 
+from chainer_prefetch.staging.sources import Source, as_source
+
 Locate = Callable[[str], str]
 
 
@@ -99,6 +101,29 @@ class DatasetFiles(abc.ABC):
                 path the view reads instead.  Must be picklable when the
                 worker processes are started by ``forkserver`` or ``spawn``.
         """
+
+
+class ItemSources:
+    """``sources_of(item)``: the sources of one item of a dataset's files.
+
+    Args:
+        files: The dataset's files.
+        item_of: For each example, its item (``None``: each example is one).
+    """
+
+    def __init__(self, files: DatasetFiles, item_of: Optional[numpy.ndarray]):
+        self._files = files
+        self._first_example = None
+        if item_of is not None and len(item_of):
+            items, first = numpy.unique(item_of, return_index=True)
+            self._first_example = numpy.full(int(items.max()) + 1, -1,
+                                             dtype=numpy.int64)
+            self._first_example[items] = first
+
+    def __call__(self, item: int) -> List[Source]:
+        index = item if self._first_example is None else int(
+            self._first_example[item])
+        return [as_source(named) for named in self._files.files(index)]
 
 
 def resolve_dataset_files(dataset) -> Optional[DatasetFiles]:

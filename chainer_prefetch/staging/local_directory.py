@@ -18,11 +18,20 @@ Guarantees:
 * **Stale files are replaced.**  A local file counts only while it is
   current for its source (see :class:`~chainer_prefetch.staging.sources.Source`:
   stamped with the origin's mtime, and of the origin's size for a copy).
+* **Nobody else can write into it** (see :mod:`.trust`): the directory is
+  used only when no other user can write to it or to any directory above
+  it that could move it; shared scratch space gets a private
+  subdirectory.  So no other user can plant a file, a symlink or a hard
+  link that would be served, read or written through.
 * **Writes stay inside ``root``.**  The local path is the *normalised
   absolute* source path under ``root/data`` (so ``..`` and absolute paths in
   list files cannot climb out), and every directory on the way is opened with
-  ``O_NOFOLLOW`` relative to its parent, so a symlink planted in a shared
-  directory cannot redirect a write.  A directory created here is mode 0700.
+  ``O_NOFOLLOW`` relative to its parent.  A directory created here is mode
+  0700; a ``.part`` file with another link to it is never written.
+* **Bounded waits.**  A copy that another process holds the lock of (one
+  stopped, say) is waited for at most ``lock_timeout`` seconds; then
+  :class:`~chainer_prefetch.errors.CopyLockTimeout` tells the caller to read
+  the source instead.
 
 Costs: the descriptors of the directories under ``data/`` are kept open (a
 bounded cache), so making a file costs about ten system calls besides the
@@ -41,12 +50,18 @@ import errno
 import fcntl
 import hashlib
 import os
-import stat
 import threading
-from typing import Optional, Union
+import time
+from typing import Callable, Optional, Union
 
-from chainer_prefetch.errors import LocalStorageError, SourceFileError
+from chainer_prefetch.errors import (
+    CopyLockTimeout,
+    LocalStorageError,
+    SourceFileError,
+    UntrustedLocalDirectoryError,
+)
 from chainer_prefetch.staging.sources import Source, as_source, local_error
+from chainer_prefetch.staging.trust import check_private, trusted_root
 
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 _LOCK_POLL_SECONDS = 0.01
@@ -79,41 +94,53 @@ class LocalDirectory:
 
     Methods are thread-safe and process-safe (see the module docstring).
 
+    Attributes:
+        root: The directory in use: ``local_dir`` resolved, or the private
+            subdirectory made in it (see :mod:`.trust`).
+
     Args:
         root: The local directory (e.g. ``$TMPDIR/job`` on the node's SSD).
             Created with mode 0700 if missing.
         stop_event: Set to make a copy waiting for another process's lock
             give up promptly (raises :class:`InterruptedError`).
+        lock_timeout: Seconds a copy waits for another process's copy of the
+            same file before giving up (:class:`CopyLockTimeout`).
 
     Raises:
+        UntrustedLocalDirectoryError: another user could write into it.
         LocalStorageError: ``root`` cannot be created or written.
     """
 
-    def __init__(self, root: str, stop_event: Optional[threading.Event] = None):
-        self.root = os.path.abspath(root)
-        self.data_root = os.path.join(self.root, 'data')
-        self.partial_root = os.path.join(self.root, '.partial')
-        self.path_map = LocalPathMap(self.data_root)
+    def __init__(self, root: str, stop_event: Optional[threading.Event] = None,
+                 lock_timeout: float = 30.0):
+        self.requested = root
         self._stop_event = stop_event or threading.Event()
+        self.lock_timeout = lock_timeout
         self._partial_fd = None
         self._directories = None
         try:
-            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            self.root = trusted_root(root)
+            self.data_root = os.path.join(self.root, 'data')
+            self.partial_root = os.path.join(self.root, '.partial')
             for path in (self.data_root, self.partial_root):
                 try:
                     os.mkdir(path, 0o700)
                 except FileExistsError:
                     pass
-                _check_real_directory(path)
+                check_private(path)
             if not os.access(self.root, os.W_OK | os.X_OK):
                 raise PermissionError(errno.EACCES, 'not writable', self.root)
             self._partial_fd = os.open(self.partial_root, _DIRECTORY_FLAGS)
             self._directories = _OpenDirectories(self.data_root)
+        except UntrustedLocalDirectoryError:
+            self.close()
+            raise
         except OSError as error:
             self.close()
             raise LocalStorageError(
                 error.errno, 'local directory {} is unusable: {}'.format(
-                    self.root, error.strerror or error)) from error
+                    os.path.abspath(root), error.strerror or error)) from error
+        self.path_map = LocalPathMap(self.data_root)
         self.removed_leftovers = self._remove_leftovers()
 
     def close(self):
@@ -140,13 +167,18 @@ class LocalDirectory:
             return False
 
     def stage(self, source: Union[str, Source],
-              origin_stat: Optional[os.stat_result] = None) -> int:
+              origin_stat: Optional[os.stat_result] = None,
+              before_rename: Optional[Callable[[int], None]] = None) -> int:
         """Makes sure a current local form of ``source`` exists.
 
         Args:
             source: What to stage: a path or a
                 :class:`~chainer_prefetch.staging.sources.Source`.
             origin_stat: ``source.stat_origin()`` if the caller has it.
+            before_rename: Called with the bytes written when a new local
+                file is complete, just before it is renamed into place (the
+                capacity ledger counts it then); an exception from it drops
+                the file.
 
         Returns:
             The bytes written: 0 when a current local form was already there
@@ -156,6 +188,7 @@ class LocalDirectory:
             SourceFileError: the origin cannot be read.
             LocalStorageError: the local form cannot be written.
             InterruptedError: ``stop_event`` was set while waiting.
+            CopyLockTimeout: another process held the copy's lock too long.
         """
         source = as_source(source)
         if origin_stat is None:
@@ -167,8 +200,9 @@ class LocalDirectory:
                 if _is_current_at(fd, name, source, origin_stat):
                     return 0
                 return self._make_locked(source, origin_stat, relative, fd,
-                                         name)
-        except (SourceFileError, LocalStorageError, InterruptedError):
+                                         name, before_rename)
+        except (SourceFileError, LocalStorageError, InterruptedError,
+                CopyLockTimeout):
             raise
         except OSError as error:
             raise local_error(error, os.path.join(self.data_root, relative))
@@ -195,7 +229,8 @@ class LocalDirectory:
         except OSError as error:
             raise local_error(error, self.local_path(source))
 
-    def _make_locked(self, source, origin_stat, relative, directory_fd, name):
+    def _make_locked(self, source, origin_stat, relative, directory_fd, name,
+                     before_rename):
         part_name = hashlib.sha1(relative.encode('utf-8', 'surrogateescape')
                                  ).hexdigest() + '.part'
         destination = os.path.join(self.data_root, relative)
@@ -212,6 +247,8 @@ class LocalDirectory:
                     os.ftruncate(part_fd, 0)
                     written = source.write_local(part_fd, origin_stat,
                                                  destination)
+                    if before_rename is not None:
+                        before_rename(written)
                     os.rename(part_name, name, src_dir_fd=self._partial_fd,
                               dst_dir_fd=directory_fd)
                 except BaseException as error:
@@ -224,6 +261,7 @@ class LocalDirectory:
                 os.close(part_fd)  # also releases the lock
 
     def _lock(self, part_fd, source):
+        deadline = time.monotonic() + self.lock_timeout
         while True:
             try:
                 fcntl.flock(part_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -233,14 +271,27 @@ class LocalDirectory:
                     raise InterruptedError(
                         'stopped while waiting for another copy of {}'.format(
                             source))
+                if time.monotonic() >= deadline:
+                    raise CopyLockTimeout(
+                        errno.ETIMEDOUT, 'another process held the copy of {} '
+                        'for more than {} s (stopped?); reading the source '
+                        'instead'.format(source, self.lock_timeout), str(source))
 
     def _open_part(self, part_name):
+        """Opens the ``.part`` file, never one that has another link to it."""
+        path = os.path.join(self.partial_root, part_name)
         try:
-            return os.open(part_name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW,
-                           0o600, dir_fd=self._partial_fd)
+            fd = os.open(part_name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW,
+                         0o600, dir_fd=self._partial_fd)
+            info = os.fstat(fd)
+            if info.st_nlink == 1 and info.st_uid == os.geteuid():
+                return fd
+            os.close(fd)
+            _unlink_quietly(part_name, self._partial_fd)  # a planted link
+            return os.open(part_name, os.O_RDWR | os.O_CREAT | os.O_EXCL
+                           | os.O_NOFOLLOW, 0o600, dir_fd=self._partial_fd)
         except OSError as error:
-            raise local_error(error, os.path.join(self.partial_root,
-                                                  part_name)) from error
+            raise local_error(error, path) from error
 
     def _remove_leftovers(self) -> int:
         """Removes ``.part`` files that no live process holds; returns how many."""
@@ -363,13 +414,6 @@ class _OpenDirectories:
             os.close(fd)
             raise
         return fd
-
-
-def _check_real_directory(path):
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode):
-        raise NotADirectoryError(
-            errno.ENOTDIR, 'not a real directory (symlink?)', path)
 
 
 def _is_current_at(directory_fd, name, source, origin_stat) -> bool:

@@ -26,11 +26,12 @@ rest of the run (:attr:`disabled` says why) and every item is read from
 shared storage, never from a partial file.
 """
 import dataclasses
+import functools
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
-from chainer_prefetch.errors import LocalStorageError, SourceFileError
+from chainer_prefetch.errors import CopyLockTimeout, LocalStorageError, SourceFileError
 from chainer_prefetch.policy.eviction import make_strategy
 from chainer_prefetch.staging.capacity import CapacityLedger
 from chainer_prefetch.staging.local_directory import LocalDirectory
@@ -64,7 +65,19 @@ class Counters:
 STORE_COUNTERS = ('files_copied', 'bytes_copied', 'local_bytes_written',
                   'files_already_local', 'files_failed_source',
                   'items_bypassed', 'items_too_large', 'files_evicted',
-                  'bytes_evicted', 'copy_seconds')
+                  'bytes_evicted', 'files_lock_timeouts', 'copy_seconds')
+
+
+class _NoRoom(Exception):
+    """A finished copy is larger than its reservation and no room can be made."""
+
+
+class _Reservation:
+    """What one item still has reserved while its files are made."""
+
+    def __init__(self, remaining: int):
+        self.remaining = remaining
+        self.no_room = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,19 +105,25 @@ class LocalStore:
             every process using it), or ``None`` for no limit.
         eviction_policy: A name in
             :data:`chainer_prefetch.policy.eviction.STRATEGIES`.
+        sources_of: ``sources_of(item)``, the sources of an item (needed to
+            evict it; asked again rather than kept, so memory follows the
+            number of items stored, not their paths).
     """
 
     def __init__(self, directory: LocalDirectory,
                  capacity_bytes: Optional[int] = None,
-                 eviction_policy: str = 'belady'):
+                 eviction_policy: str = 'belady',
+                 sources_of: Optional[Callable[[int], Sequence[Source]]] = None):
         self.directory = directory
+        self._sources_of = sources_of
         self.counters = Counters(STORE_COUNTERS)
         self.disabled: Optional[str] = None  #: why staging stopped, if it did
         self._lock = threading.Lock()
         self._ledger = None
         self._strategy = None
-        self._sources: Dict[int, Tuple[Source, ...]] = {}  # stored items
         if capacity_bytes is not None:
+            if sources_of is None:
+                raise ValueError('a capacity limit needs sources_of')
             self._strategy = make_strategy(eviction_policy)
             try:
                 self._ledger = CapacityLedger(directory.root,
@@ -205,12 +224,13 @@ class LocalStore:
                 bytes_read += source.source_bytes(origin_stat)
         return StageResult(True, bytes_read)
 
-    def _make_one(self, source, origin_stat) -> Optional[int]:
+    def _make_one(self, source, origin_stat, before_rename=None
+                  ) -> Optional[int]:
         """Makes one local file; returns bytes written (0: was there), None on failure."""
         if self.disabled is not None:
             return None
         try:
-            written = self.directory.stage(source, origin_stat)
+            written = self.directory.stage(source, origin_stat, before_rename)
         except SourceFileError:
             # Stage 3 reads the source itself and reports the error with the
             # example's index; a transient failure may even succeed there.
@@ -220,7 +240,10 @@ class LocalStore:
             if self.disabled is None:
                 self.disabled = str(error)
             return None
-        except InterruptedError:
+        except (InterruptedError, _NoRoom):
+            return None
+        except CopyLockTimeout:
+            self.counters.add(files_lock_timeouts=1)
             return None
         if written:
             self.counters.add(files_copied=1,
@@ -234,8 +257,10 @@ class LocalStore:
         if not missing:
             with self._lock:
                 self._strategy.hold(item, now)  # until stage 3 loaded it
-                self._sources[item] = tuple(sources)
             return StageResult(True)
+        # A stale local form (its source changed) goes first, so that the
+        # ledger does not keep counting it once the new copy replaces it.
+        self._evict_sources([source for source, _ in missing])
         estimate = sum(source.estimated_local_bytes(origin_stat)
                        for source, origin_stat in missing)
         if estimate > self._ledger.limit_bytes:
@@ -245,31 +270,41 @@ class LocalStore:
         if not self._reserve(estimate, now, evicted):
             self.counters.add(items_bypassed=1)
             return StageResult(False, 0, tuple(evicted))
-        written_total = bytes_read = 0
+        budget = _Reservation(estimate)
+        bytes_read = 0
         made = []
         for source, origin_stat in missing:
-            written = self._make_one(source, origin_stat)
+            settle = functools.partial(self._settle, budget, now, evicted)
+            written = self._make_one(source, origin_stat, settle)
             if written is None:
-                self._evict_sources(made, release=False)
-                self._ledger.release(estimate)
+                self._evict_sources(made)
+                self._ledger.release(budget.remaining)
+                if budget.no_room:
+                    self.counters.add(items_bypassed=1)
                 return StageResult(False, bytes_read, tuple(evicted))
             if written:
                 made.append(source)
-                written_total += written
                 bytes_read += source.source_bytes(origin_stat)
-        # Settle: a file another process made meanwhile is in its budget.
-        if written_total > estimate and not self._reserve(
-                written_total - estimate, now, evicted):
-            self._evict_sources(made, release=False)
-            self._ledger.release(estimate)
-            self.counters.add(items_bypassed=1)
-            return StageResult(False, bytes_read, tuple(evicted))
-        if written_total < estimate:
-            self._ledger.release(estimate - written_total)
+        # What a file made by another process meanwhile did not use.
+        self._ledger.release(budget.remaining)
         with self._lock:
             self._strategy.hold(item, now)  # until stage 3 loaded it
-            self._sources[item] = tuple(sources)
         return StageResult(True, bytes_read, tuple(evicted))
+
+    def _settle(self, budget, now, evicted, written):
+        """Called just before a finished copy is renamed into place: count its real size.
+
+        Raises:
+            _NoRoom: it is larger than reserved and no room can be made
+                (the copy is then dropped).
+        """
+        if written > budget.remaining:
+            if not self._reserve(written - budget.remaining, now, evicted):
+                budget.no_room = True
+                raise _NoRoom()
+            budget.remaining = written
+        self._ledger.settle(written, written)
+        budget.remaining -= written
 
     def _reserve(self, n_bytes, now, evicted: List[int]) -> bool:
         """Reserves ``n_bytes``, evicting by the policy; False to leave the item out."""
@@ -279,13 +314,12 @@ class LocalStore:
                 if victim is None:
                     return False
                 self._strategy.remove(victim)
-                sources = self._sources.pop(victim, ())
-            self._evict_sources(sources)
+            self._evict_sources(self._sources_of(victim))
             evicted.append(victim)
         return True
 
-    def _evict_sources(self, sources, release=True):
-        """Removes local files; ``release=False`` when their bytes are still reserved."""
+    def _evict_sources(self, sources):
+        """Removes local files and takes their bytes off the ledger."""
         for source in sources:
             try:
                 freed = self.directory.evict(source)
@@ -293,8 +327,8 @@ class LocalStore:
                 if self.disabled is None:
                     self.disabled = str(error)
                 continue
-            if freed and release:
-                self._ledger.release(freed)
+            if freed:
+                self._ledger.freed(freed)
                 self.counters.add(files_evicted=1, bytes_evicted=freed)
 
 

@@ -18,6 +18,10 @@ shared storage (``testbed.storage``, a real FUSE mount):
 ``proposed-cold``    PrefetchMultiprocessIterator reading the mount and
                      staging into an empty local directory.
 ``proposed-warm``    The same with the local directory already filled.
+``proposed-warm-never``
+                     proposed-warm with ``recheck_sources='never'``: over
+                     more than one epoch, the cost of comparing every
+                     source again once per epoch (the default).
 ``prefetch-local``   PrefetchMultiprocessIterator reading the local copy
                      with no staging (the pipeline's own cost).
 ``copy-then-local``  Copy the whole dataset with 8 parallel copiers, then
@@ -73,6 +77,7 @@ from chainer_prefetch_bench.testbed.report import write_json
 
 METHODS = ('baseline-local', 'baseline-remote', 'baseline-local-unsized',
            'baseline-remote-unsized', 'proposed-cold', 'proposed-warm',
+           'proposed-warm-never',
            'prefetch-local', 'copy-then-local', 'multithread', 'torch',
            'decode-limit')
 BATCH_SIZE = 32
@@ -104,6 +109,11 @@ def _make_iterator(method, dataset, config):
             dataset, BATCH_SIZE, n_processes=n, order_sampler=_order_sampler(),
             local_dir=None if method == 'prefetch-local' else
             config['local_dir'], n_copy_threads=config['n_copy_threads'])
+    if method == 'proposed-warm-never':
+        return chainer_prefetch.PrefetchMultiprocessIterator(
+            dataset, BATCH_SIZE, n_processes=n, order_sampler=_order_sampler(),
+            local_dir=config['local_dir'],
+            n_copy_threads=config['n_copy_threads'], recheck_sources='never')
     if method == 'multithread':
         return MultithreadIterator(dataset, BATCH_SIZE, n_threads=n,
                                    order_sampler=_order_sampler())
@@ -354,38 +364,41 @@ def _ratio(numerator, denominator):
 def check_targets(summary, copy_threads):
     """Prints the issue's targets at every process count measured."""
     print('\nTargets (paper in brackets):')
-    for (method, n, _), remote in sorted(summary.items()):
-        if method != 'baseline-remote':
+    for (method, n, _), local in sorted(summary.items()):
+        if method != 'baseline-local':
             continue
+        remote = summary.get(('baseline-remote', n, None))
         cold = summary.get(('proposed-cold', n, copy_threads))
         warm = summary.get(('proposed-warm', n, copy_threads))
-        local = summary.get(('baseline-local', n, None))
-        if not (cold and local):
-            continue
-        lines = [
-            ('proposed-cold >= 2x faster than baseline-remote [1.26x]',
-             remote['total_s'] / cold['total_s'], 2.0, True),
-            ('proposed-cold within 1.25x of baseline-local [2.45x]',
-             cold['total_s'] / local['total_s'], 1.25, False),
-            ('first batch of proposed-cold / baseline-remote <= 1 [2.1x]',
-             cold['first_batch_s'] / remote['first_batch_s'], 1.0, False)]
+        lines = []
+        if cold:
+            lines.append(('proposed-cold within 1.0x of baseline-local [6.74x]',
+                          cold['total_s'] / local['total_s'], 1.0, False))
+        if cold and remote:
+            lines += [
+                ('proposed-cold >= 2x faster than baseline-remote [1.26x]',
+                 remote['total_s'] / cold['total_s'], 2.0, True),
+                ('first batch of proposed-cold / baseline-remote <= 1 [2.1x]',
+                 cold['first_batch_s'] / remote['first_batch_s'], 1.0, False)]
         if warm:
             lines.append(('proposed-warm / baseline-local <= 1',
                           warm['total_s'] / local['total_s'], 1.0, False))
             lines.append(('own CPU per batch, proposed-warm / baseline-local'
                           ' <= 1', warm['own_cpu_ms_per_batch']
                           / local['own_cpu_ms_per_batch'], 1.0, False))
-        lines.append(('own CPU per batch, proposed-cold / baseline-remote'
-                      ' <= 2', cold['own_cpu_ms_per_batch']
-                      / remote['own_cpu_ms_per_batch'], 2.0, False))
+        if cold:
+            lines.append(('own CPU per batch, proposed-cold / baseline-local'
+                          ' <= 2', cold['own_cpu_ms_per_batch']
+                          / local['own_cpu_ms_per_batch'], 2.0, False))
         limit = summary.get(('decode-limit', n, None))
         ours_local = summary.get(('prefetch-local', n, None)) or warm
         if limit and ours_local:
             lines.append(('images/s of ours on local files / decode limit'
                           ' >= 0.9', ours_local['images_per_s']
                           / limit['images_per_s'], 0.9, True))
-        lines.append(('processes proposed / baseline <= 1',
-                      cold['processes'] / remote['processes'], 1.0, False))
+        if cold:
+            lines.append(('processes proposed / baseline <= 1',
+                          cold['processes'] / local['processes'], 1.0, False))
         for text, value, bound, at_least in lines:
             met = value >= bound if at_least else value <= bound
             print('  {} processes: {:<62} {:6.2f}  {}'.format(
@@ -466,7 +479,7 @@ def main(argv=None):
                           shared_mem=shared_mem)
             for path in (local_dir, copy_target):
                 shutil.rmtree(path, ignore_errors=True)
-            if config['method'] == 'proposed-warm':
+            if config['method'].startswith('proposed-warm'):
                 fill_local_dir(config)
             drop_page_cache(dataset_dir, local_dir)
             daemon_cpu_before = mount.cpu_seconds()

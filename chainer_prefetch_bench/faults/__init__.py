@@ -1,0 +1,1 @@
+"""Fault injection: the local directory under attack and under faults."""

@@ -1,0 +1,1 @@
+"""The iterator at ImageNet scale: construction, memory, CPU per batch."""
