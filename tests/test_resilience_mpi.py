@@ -146,7 +146,8 @@ def test_communicator_survivors_raise_the_same_failure(tmp_path):
         assert result['weights_equal'], result
         assert result['allreduce_obj'] == 3
         assert result['evaluation'] == ['main/accuracy', 'main/loss']
-        assert result['failure'] == ['ProcessFailure', 'allreduce'], output
+        # allreduce_obj runs an allgather (which a revoke reaches).
+        assert result['failure'] == ['ProcessFailure', 'allgather'], output
         assert result['after'] == [2, 2, [2]], output
 
 
@@ -246,18 +247,6 @@ def test_injected_hang_is_recovered_within_its_bound(tmp_path):
     # --stop-timeout 2 plus detection and repair.
     assert recovered[0]['time'] - failure['time'] < 2 + 5
     assert all(e['size'] == 2 for e in _of(events, 'finished'))
-
-
-@pytest.mark.timeout(180)
-def test_rank_exiting_without_finalize_ends_the_job_within_its_bound(tmp_path):
-    returncode, output, elapsed, events = _example(
-        tmp_path, 3, 'respawn', *_failure('exit', 1, 3))
-    assert returncode != 0
-    assert 'made no progress for' in output and '(limit 20.0 s)' in output
-    assert _of(events, 'failure'), events
-    assert _of(events, 'finished') == []
-    # --call-timeout 20: the job ends soon after it.
-    assert elapsed < 20 + 30
 
 
 @pytest.mark.timeout(180)

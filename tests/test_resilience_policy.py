@@ -1,6 +1,7 @@
 """The pure core of chainer_prefetch.resilience and its single-process edges
 (the watchdog process, the relaunching launcher)."""
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -76,15 +77,66 @@ def test_resume_position_keeps_fraction_of_epoch():
         policy.resume_position(1, 0, 10)
 
 
-def test_failed_ranks_and_newcomer_order():
+def test_failed_ranks():
     assert policy.failed_ranks(4, [3, 0]) == [1, 2]
     assert policy.failed_ranks(3, [0, 1, 2]) == []
     with pytest.raises(ValueError, match='bad survivor ranks'):
         policy.failed_ranks(3, [0, 0])
     with pytest.raises(ValueError, match='bad survivor ranks'):
         policy.failed_ranks(3, [5])
-    # Replacements take the failed ranks in increasing order.
-    assert [policy.newcomer_rank([2, 0], i) for i in range(2)] == [0, 2]
+
+
+def test_takeover_gives_failed_ranks_to_the_lowest_spares():
+    spare = policy.SPARE
+    # Pool order: ranks 0, 2, 3 survive; rank 1 failed; two spares.
+    plan = policy.plan_takeover(4, [0, 2, 3, spare, spare])
+    assert plan.failed == [1] and plan.shortfall == 0
+    assert plan.takeover == {3: 1}
+    assert plan.roles == [0, 2, 3, 1, spare]
+    # Two failures, one spare: one rank is left to spawn.
+    plan = policy.plan_takeover(4, [2, 0, spare])
+    assert (plan.failed, plan.takeover, plan.shortfall) == ([1, 3], {2: 1}, 1)
+    # No training failure: a spare died; nobody is taken.
+    plan = policy.plan_takeover(3, [0, 1, 2, spare])
+    assert (plan.failed, plan.takeover, plan.shortfall) == ([], {}, 0)
+    # No spares at all (spares=0): every failed rank is spawned.
+    assert policy.plan_takeover(3, [0, 2]).shortfall == 1
+    with pytest.raises(ValueError, match='bad roles'):
+        policy.plan_takeover(3, [0, 0, spare])
+    with pytest.raises(ValueError, match='bad roles'):
+        policy.plan_takeover(3, [3])
+
+
+def test_split_key_orders_training_ranks_and_sets_spares_apart():
+    assert policy.split_key(2, 0) == (0, 2)
+    assert policy.split_key(policy.SPARE, 5) == (1, 5)
+
+
+@pytest.mark.parametrize('kind', ['serial', 'multiprocess'])
+def test_rank_order_sampler_orders_are_recomputable(kind):
+    """The orders a real iterator draws with RankOrderSampler are
+    epoch_order(...) for every epoch, different per rank and seed."""
+    import chainer
+    n, batch = 10, 5
+    sampler = policy.RankOrderSampler(3, 1)
+    if kind == 'serial':
+        iterator = chainer.iterators.SerialIterator(
+            list(range(n)), batch, order_sampler=sampler)
+    else:
+        iterator = chainer.iterators.MultiprocessIterator(
+            list(range(n)), batch, n_processes=1, order_sampler=sampler)
+    try:
+        for epoch in range(4):
+            seen = iterator.next() + iterator.next()
+            assert seen == list(policy.epoch_order(n, 3, 1, epoch)), epoch
+    finally:
+        iterator.finalize()
+    orders = {tuple(policy.epoch_order(n, seed, rank, 0))
+              for seed in (3, 4) for rank in (0, 1)}
+    assert len(orders) == 4
+    assert sorted(policy.epoch_order(n, 3, 1, 2)) == list(range(n))
+    with pytest.raises(ValueError, match='epoch must be >= 0'):
+        policy.epoch_order(n, 3, 1, -1)
 
 
 def test_latest_snapshot():
@@ -156,6 +208,24 @@ def test_launcher_relaunches_until_success(tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.timeout(60)
+def test_launcher_ends_its_launch_when_terminated(tmp_path):
+    base = str(tmp_path / 'launch')
+    marker = base + '-child'  # only in the launched grandchild's arguments
+    script = ('import subprocess, sys, time; subprocess.Popen([sys.executable,'
+              ' "-c", "import time; time.sleep(300)", {!r} + "-child"]); '
+              'time.sleep(300)'.format(base))
+    env = dict(os.environ, PYTHONPATH=helpers_repo())
+    process = subprocess.Popen(
+        [sys.executable, '-m', 'chainer_prefetch.resilience.launcher', '--',
+         sys.executable, '-c', script], env=env)
+    assert helpers.wait_until(lambda: processes_with(marker), 20)
+    process.terminate()
+    assert process.wait(timeout=20) == 128 + signal.SIGTERM
+    assert helpers.wait_until(lambda: not processes_with(marker), 10), \
+        'the launch survived its launcher'
+
+
 def test_launcher_kills_a_launch_past_its_timeout(tmp_path):
     marker = str(tmp_path / 'grandchild-marker')
     # The launch starts a grandchild in the same process group, then hangs.
@@ -261,3 +331,149 @@ def test_watchdog_exits_when_its_rank_vanishes(tmp_path):
     assert result.returncode == 0
     assert helpers.wait_until(lambda: not helpers.is_running(watchdog_pid), 5)
     assert helpers.wait_until(lambda: not os.path.exists(heartbeat), 5)
+
+
+# ---- the supervisor that fences a rank ending without finalizing -------------
+
+def test_exit_verdict():
+    from chainer_prefetch.resilience.supervisor import exit_verdict
+    assert exit_verdict(0) is None
+    assert exit_verdict(1 << 8) == 'exited with status 1'
+    assert exit_verdict(signal.SIGKILL) == 'was killed by SIGKILL'
+
+
+SUPERVISED_SCRIPT = r'''
+import os, signal, subprocess, sys, time
+from chainer_prefetch.resilience.supervisor import supervise
+mode = sys.argv[1]
+supervisor = supervise('rank 5')
+assert supervise() == supervisor  # a second call does nothing
+leftover = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+print(os.getpid(), supervisor, leftover.pid, flush=True)
+if mode == 'exit1':
+    os._exit(1)
+elif mode == 'kill':
+    os.kill(os.getpid(), signal.SIGKILL)
+elif mode == 'term':  # the supervisor passes SIGTERM on to the rank
+    os.kill(supervisor, signal.SIGTERM)
+    time.sleep(30)
+leftover.kill(); leftover.wait()
+'''
+
+
+@pytest.mark.parametrize('mode, returncode, fenced', [
+    ('exit1', -signal.SIGKILL, 'exited with status 1'),
+    ('kill', -signal.SIGKILL, 'was killed by SIGKILL'),
+    ('term', -signal.SIGKILL, 'was killed by SIGTERM'),
+    ('clean', 0, None),
+])
+@pytest.mark.timeout(60)
+def test_supervisor_fences_an_unclean_end(tmp_path, mode, returncode, fenced):
+    script = tmp_path / 'supervised.py'
+    script.write_text(SUPERVISED_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=helpers_repo())
+    env.pop('CHAINER_PREFETCH_SUPERVISED', None)
+    result = subprocess.run([sys.executable, str(script), mode], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            timeout=45, universal_newlines=True)
+    rank, supervisor, leftover = map(int, result.stdout.split()[:3])
+    assert supervisor != rank
+    assert result.returncode == returncode, result.stderr
+    if fenced:
+        assert ('supervisor: rank 5 (pid {}) {} without finalizing; fencing'
+                .format(rank, fenced)) in result.stderr
+    else:
+        assert 'fencing' not in result.stderr
+    # Nothing of the rank is left (the sleeping child was killed).
+    assert helpers.wait_until(lambda: not helpers.is_running(leftover), 5)
+    assert not helpers.is_running(rank)
+
+
+def test_supervise_refuses_after_mpi_initialisation(monkeypatch):
+    from chainer_prefetch.resilience import supervisor
+    monkeypatch.delenv(supervisor.SUPERVISED_VARIABLE, raising=False)
+    monkeypatch.setitem(sys.modules, 'mpi4py.MPI', sys)
+    with pytest.raises(RuntimeError, match='before mpi4py.MPI is imported'):
+        supervisor.supervise(fork=lambda: pytest.fail('forked'))
+
+
+# ---- the report on the current rank 0 ----------------------------------------
+
+class _Rank:
+    """What RankZeroReports reads of a communicator: its current rank."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+
+def _trainer_with_reports(out_dir, comm, stream, epochs=4):
+    import chainer
+    from chainer.training import extensions
+
+    from chainer_prefetch.resilience.reporting import RankZeroReports
+    model = chainer.links.Classifier(chainer.links.Linear(2, 2))
+    optimizer = chainer.optimizers.SGD()
+    optimizer.setup(model)
+    data = chainer.datasets.TupleDataset(
+        numpy.ones((8, 2), numpy.float32), numpy.zeros(8, numpy.int32))
+    updater = chainer.training.updaters.StandardUpdater(
+        chainer.iterators.SerialIterator(data, 4), optimizer)
+    trainer = chainer.training.Trainer(updater, (epochs, 'epoch'),
+                                       str(out_dir))
+    log_report = extensions.LogReport()
+    print_report = extensions.PrintReport(['epoch', 'main/loss'],
+                                          out=stream)
+    reports = RankZeroReports(comm, log_report, print_report, out=stream)
+    trainer.extend(reports)
+    trainer.extend(log_report)
+    trainer.extend(print_report)
+    return trainer, reports
+
+
+def test_report_follows_rank_zero(tmp_path):
+    import io
+    import json
+    stream = io.StringIO()
+    comm = _Rank(1)  # becomes rank 0 after epoch 2, as after a shrink
+    trainer, reports = _trainer_with_reports(tmp_path, comm, stream)
+
+    @chainer_extension(trigger=(2, 'epoch'))
+    def shrink(trainer):
+        comm.rank = 0
+    trainer.extend(shrink)
+    trainer.run()
+    text = stream.getvalue().replace('\x1b[J', '')
+    rows = [line.split()[0] for line in text.splitlines()
+            if line.split() and line.split()[0].isdigit()]
+    assert rows == ['3', '4'], text
+    assert 'the report continues on this process' in text
+    assert text.count('main/loss') == 1  # the header, once, on rank 0
+    assert reports.takeovers == 1
+    log = json.loads((tmp_path / 'log').read_text())
+    assert [entry['epoch'] for entry in log] == [1, 2, 3, 4]
+
+
+def test_report_state_goes_to_a_replacement_of_rank_zero(tmp_path):
+    import io
+    import json
+    first, _ = _trainer_with_reports(tmp_path / 'a', _Rank(0), io.StringIO(),
+                                     epochs=2)
+    first.run()
+    sent = first.get_extension('RankZeroReports').state()
+    stream = io.StringIO()
+    second, reports = _trainer_with_reports(tmp_path / 'b', _Rank(0), stream,
+                                            epochs=1)
+    reports.load(sent)
+    assert len(reports.log_report.log) == 2
+    second.run()
+    rows = [line.split()[0] for line in stream.getvalue().replace(
+        '\x1b[J', '').splitlines() if line.split()
+        and line.split()[0].isdigit()]
+    assert len(rows) == 1, stream.getvalue()  # the received log not again
+    log = json.loads((tmp_path / 'b' / 'log').read_text())
+    assert len(log) == 3 and log[:2] == first.get_extension(
+        'LogReport').log
+
+def chainer_extension(**kwargs):
+    import chainer
+    return chainer.training.make_extension(**kwargs)

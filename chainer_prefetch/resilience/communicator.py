@@ -17,7 +17,7 @@ communicator, in place, so the optimizer and evaluator that hold this object
 keep working.
 """
 import atexit
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 from chainermn.communicators.naive_communicator import NaiveCommunicator
 from mpi4py import MPI
@@ -48,6 +48,11 @@ OPERATIONS = (
 """Names the heartbeat can report (others appear as ``call``)."""
 
 
+def start_watchdog(rank: int, settings: WatchdogSettings) -> Watchdog:
+    """Starts this process's watchdog (see ``watchdog.py``)."""
+    return Watchdog(rank, settings, OPERATIONS)
+
+
 def failed_ranks_of(comm: MPI.Comm) -> List[int]:
     """Ranks of ``comm`` that ULFM knows have failed (empty if unknown)."""
     try:
@@ -66,6 +71,71 @@ def failed_ranks_of(comm: MPI.Comm) -> List[int]:
         return sorted(r for r in ranks if r != MPI.UNDEFINED)
     finally:
         failed.Free()
+
+
+def revoke(comm: MPI.Comm) -> None:
+    """Revokes ``comm`` (no error if it already is)."""
+    try:
+        comm.Revoke()
+    except MPI.Exception:
+        pass
+
+
+def release_connections(barrier: MPI.Comm, to_free: Sequence[Optional[MPI.Comm]],
+                        intercomms: Sequence[MPI.Intercomm],
+                        heartbeat=None) -> None:
+    """Prepares ``MPI_Finalize`` after failures or spawns (collective over
+    ``barrier`` and each of ``intercomms``).
+
+    Open MPI 5.0.11's ``MPI_Finalize`` waits forever for the dead processes
+    and for spawned ones unless, in this order, the failures are acknowledged
+    on ``COMM_WORLD``, ``barrier`` and every spawn connection, the members
+    meet in a barrier, the communicators are freed, and the spawn connections
+    are disconnected in the order they were made (the same on every process).
+
+    Args:
+        barrier: The communicator of all living processes of the job.
+        to_free: Communicators to free after the barrier (None skipped).
+        intercomms: Spawn connections, in the order they were made.
+        heartbeat: Watchdog heartbeat (bounds the waits), or None.
+    """
+    for comm in [MPI.COMM_WORLD, barrier] + list(intercomms):
+        try:
+            comm.Set_errhandler(MPI.ERRORS_RETURN)
+            comm.Ack_failed()
+        except (MPI.Exception, NotImplementedError):
+            pass  # nothing to acknowledge without ULFM
+    GuardedComm(barrier, heartbeat).Barrier()
+    living = barrier.Get_group()
+    try:
+        remote_alive = [remote_members_in(intercomm, living)
+                        for intercomm in intercomms]
+    finally:
+        living.Free()
+    for comm in to_free:
+        if comm is not None and comm != MPI.COMM_NULL:
+            comm.Free()
+    for intercomm, alive in zip(intercomms, remote_alive):
+        if alive:
+            GuardedComm(intercomm, heartbeat).Disconnect()
+        else:
+            # Every process on the other side is dead and its job is gone:
+            # Disconnect would wait for that job forever.
+            intercomm.Free()
+
+
+def remote_members_in(intercomm: MPI.Intercomm, group: MPI.Group) -> int:
+    """How many processes of the remote group of ``intercomm`` are in
+    ``group``."""
+    remote = intercomm.Get_remote_group()
+    try:
+        common = MPI.Group.Intersection(remote, group)
+        try:
+            return common.Get_size()
+        finally:
+            common.Free()
+    finally:
+        remote.Free()
 
 
 class GuardedComm:
@@ -115,22 +185,28 @@ class FaultTolerantCommunicator(NaiveCommunicator):
     Args:
         mpi_comm: The mpi4py communicator (default: a duplicate of
             ``COMM_WORLD``).
-        watchdog: Limits of the per-rank watchdog process, or None for none.
+        watchdog: Limits of a new per-rank watchdog process, this process's
+            running :class:`Watchdog` (a spare's, kept), or None for none.
 
     Attributes:
         watchdog: The rank's :class:`Watchdog` (None without one).
+        pool: The :class:`~chainer_prefetch.resilience.spares.SparePool`
+            this rank trains in (set by the respawn strategy), or None.
     """
 
     def __init__(self, mpi_comm: Optional[MPI.Comm] = None,
-                 watchdog: Optional[WatchdogSettings] = _DEFAULT_WATCHDOG):
+                 watchdog: Union[WatchdogSettings, Watchdog, None]
+                 = _DEFAULT_WATCHDOG):
         if mpi_comm is None:
             mpi_comm = MPI.COMM_WORLD.Dup()
         mpi_comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.watchdog = None
         self.repaired = False
-        self._intercomms: List[MPI.Intercomm] = []
-        if watchdog is not None:
-            self.watchdog = Watchdog(mpi_comm.Get_rank(), watchdog, OPERATIONS)
+        self.pool = None
+        if isinstance(watchdog, Watchdog):
+            self.watchdog = watchdog
+        elif watchdog is not None:
+            self.watchdog = start_watchdog(mpi_comm.Get_rank(), watchdog)
         atexit.register(self.close)
         heartbeat = None if self.watchdog is None else self.watchdog.heartbeat
         try:
@@ -164,44 +240,43 @@ class FaultTolerantCommunicator(NaiveCommunicator):
         except MPI.Exception:
             pass  # a revoked communicator may refuse; it is dropped anyway
 
+    def allreduce_obj(self, obj):
+        """Sum of ``obj`` over the ranks (ChainerMN's ``allreduce_obj``).
+
+        mpi4py's object ``allreduce`` runs on a private duplicate of the
+        communicator, which ``MPI_Comm_revoke`` does not reach: a rank
+        waiting there (the multi-node evaluator) would not see a revoke.
+        ``allgather`` runs on the communicator itself.
+        """
+        values = self.mpi_comm.allgather(obj)
+        total = values[0]
+        for value in values[1:]:
+            total = total + value
+        return total
+
     def split(self, color, key):
         raise NotImplementedError(
             'FaultTolerantCommunicator cannot be split: a sub-communicator '
             'would not be repaired after a failure')
 
-    def keep_connection(self, intercomm: MPI.Intercomm) -> None:
-        """Remembers an inter-communicator to processes started by
-        ``Spawn``; :meth:`close` disconnects it (``MPI_Finalize`` waits for
-        that)."""
-        self._intercomms.append(intercomm)
-        self.repaired = True
-
     def close(self) -> None:
         """Prepares ``MPI_Finalize`` (idempotent; also run at exit).
 
-        After a repair, ``MPI_Finalize`` can wait forever for the dead
-        processes of ``COMM_WORLD`` and for the spawned ones (Open MPI
-        5.0.11): the failures are acknowledged on ``COMM_WORLD``, the
-        repaired communicator is freed after a barrier, and the spawn
-        connections are disconnected in the order they were made (the same
-        on every rank).  The watchdog then watches
-        ``MPI_Finalize`` itself (bounded by its ``call_timeout``) and exits
-        with this process.
+        After a repair or with spares, ``MPI_Finalize`` can wait forever for
+        the dead and the spawned processes (Open MPI 5.0.11); see
+        :func:`release_connections`.  With a pool, training rank 0 first
+        dismisses the parked spares, which take part in the same steps.  The
+        watchdog then watches ``MPI_Finalize`` itself (bounded by its
+        ``call_timeout``) and exits with this process.
         """
-        if self.repaired:
+        heartbeat = None if self.watchdog is None else self.watchdog.heartbeat
+        if self.pool is not None:
+            pool, self.pool = self.pool, None
+            pool.dismiss()
+            pool.close(training=self.raw)
+        elif self.repaired:
             self.repaired = False
-            try:
-                MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
-                MPI.COMM_WORLD.Ack_failed()
-            except (MPI.Exception, NotImplementedError):
-                pass  # nothing to acknowledge without ULFM
-            # This order (barrier, free, then disconnect) is the one that
-            # lets MPI_Finalize return; the communicator is unusable after.
-            self.mpi_comm.Barrier()
-            self.raw.Free()
-            intercomms, self._intercomms = self._intercomms, []
-            for intercomm in intercomms:
-                self.guard(intercomm).Disconnect()
+            release_connections(self.raw, [self.raw], [], heartbeat)
         if self.watchdog is not None:
             self.watchdog.heartbeat.enter('Finalize')
         atexit.unregister(self.close)

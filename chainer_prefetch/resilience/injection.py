@@ -21,6 +21,24 @@ import chainer
 FAILURE_MODES = ('kill', 'stop', 'exit')
 
 
+def fail_now(mode: str) -> None:
+    """Makes this process fail now: ``kill`` (``SIGKILL``), ``stop``
+    (``SIGSTOP``) or ``exit`` (``os._exit(1)``, without ``MPI_Finalize``).
+
+    Raises:
+        ValueError: unknown mode.
+    """
+    if mode == 'kill':
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif mode == 'stop':
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif mode == 'exit':
+        os._exit(1)
+    else:
+        raise ValueError('failure mode must be one of {}, got {!r}'.format(
+            ', '.join(FAILURE_MODES), mode))
+
+
 def injection_due(iteration: int, elapsed: float, at_iteration: Optional[int],
                   at_seconds: Optional[float]) -> bool:
     """Whether a failure planned at an iteration or a time is due now."""
@@ -41,8 +59,9 @@ class EventLog:
         self.path = path
         self.rank = rank
 
-    def write(self, event: str, **fields) -> None:
-        """Writes ``event`` now and forces it to disk (it may be the last)."""
+    def write(self, event: str, sync: bool = True, **fields) -> None:
+        """Writes ``event`` now, forced to disk unless ``sync`` is False (an
+        event may be the last one of the process)."""
         if self.path is None:
             return
         record = dict(event=event, time=time.time(), rank=self.rank, **fields)
@@ -52,7 +71,8 @@ class EventLog:
         with open(self.path, 'a') as f:
             f.write(json.dumps(record) + '\n')
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
 
 
 def read_events(path: str) -> list:
@@ -71,8 +91,9 @@ class FailureInjector(chainer.training.Extension):
         target_rank: The rank that fails.
         mode: ``kill``, ``stop`` or ``exit``.
         at_iteration: Fail after this iteration (or None).
-        at_seconds: Fail this many seconds after the extension was created
-            (or None).
+        at_seconds: Fail once the trainer has trained this many seconds
+            (``trainer.elapsed_time``, the clock of Chainer's ``TimeTrigger``
+            and of the snapshots), or None.
         events: Where the failure is recorded before it happens.
 
     Raises:
@@ -98,19 +119,13 @@ class FailureInjector(chainer.training.Extension):
         self.at_iteration = at_iteration
         self.at_seconds = at_seconds
         self.events = events
-        self.started = time.monotonic()
 
     def __call__(self, trainer) -> None:
         if self.rank != self.target_rank or not injection_due(
-                trainer.updater.iteration, time.monotonic() - self.started,
+                trainer.updater.iteration, trainer.elapsed_time,
                 self.at_iteration, self.at_seconds):
             return
         if self.events is not None:
             self.events.write('failure', mode=self.mode,
                               iteration=trainer.updater.iteration)
-        if self.mode == 'kill':
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif self.mode == 'stop':
-            os.kill(os.getpid(), signal.SIGSTOP)
-        else:
-            os._exit(1)
+        fail_now(self.mode)

@@ -1,6 +1,6 @@
 """Checkpoint/restart: relaunch a failed ``mpirun`` job until it succeeds.
 
-Usage::
+Usage (``SIGTERM`` or Ctrl-C to the launcher ends the running launch too)::
 
     python -m chainer_prefetch.resilience.launcher --max-restarts 3 \\
         --timeout 3600 -- mpirun -n 4 python train_imagenet.py ... \\
@@ -95,8 +95,16 @@ def relaunch(command: Sequence[str], max_restarts: int,
     return status
 
 
+def _exit_on_signal(number, _frame):
+    """SIGTERM/SIGHUP end the launcher like an exception, so that the
+    running launch's process group is killed on the way out."""
+    raise SystemExit(128 + number)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, _exit_on_signal)
     if '--' not in argv:
         sys.exit('usage: python -m chainer_prefetch.resilience.launcher '
                  '[options] -- COMMAND ...')

@@ -3,12 +3,15 @@
 How the learning rate follows the number of ranks, how a dataset is split
 over the ranks (the same split as ``chainermn.scatter_dataset``), where an
 iterator resumes after a re-split, which original ranks the replacement
-processes take, and which snapshot a restart loads.
+processes take, who takes which rank when warm spares are merged in, the
+order of each rank's examples in each epoch, and which snapshot a restart
+loads.
 """
+import hashlib
 import math
 import os
 import re
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy
 
@@ -120,13 +123,104 @@ def failed_ranks(old_size: int, survivor_ranks: Sequence[int]) -> List[int]:
     return sorted(set(range(old_size)) - set(survivors))
 
 
-def newcomer_rank(failed: Sequence[int], newcomer_index: int) -> int:
-    """The original rank the ``newcomer_index``-th replacement takes.
+SPARE = -1
+"""The role of a warm spare in a pool (a training process has its rank)."""
 
-    Replacements take the failed ranks in increasing order, so that the
-    merged communicator split by original rank has the original order.
+
+class PoolPlan(NamedTuple):
+    """Who does what after a failure in a pool of training ranks and spares.
+
+    Attributes:
+        failed: Training ranks that no living pool member holds (sorted).
+        takeover: ``{pool index: training rank}`` for the spares that take a
+            failed rank (the lowest spares take the lowest ranks).
+        shortfall: Failed ranks left without a spare (to be spawned).
+        roles: The role of every pool member after the takeover (its
+            training rank, or :data:`SPARE`), in pool order.
     """
-    return sorted(failed)[newcomer_index]
+    failed: List[int]
+    takeover: Dict[int, int]
+    shortfall: int
+    roles: List[int]
+
+
+def plan_takeover(size: int, roles: Sequence[int]) -> PoolPlan:
+    """Assigns the failed training ranks to the living spares.
+
+    Args:
+        size: Training ranks before the failure.
+        roles: Role of each living pool member, in pool order: its training
+            rank in ``[0, size)`` or :data:`SPARE`.
+
+    Returns:
+        The :class:`PoolPlan`.
+
+    Raises:
+        ValueError: a role outside ``[0, size)`` (other than a spare) or a
+            training rank held twice.
+    """
+    held = [r for r in roles if r != SPARE]
+    if len(set(held)) != len(held) or any(not 0 <= r < size for r in held):
+        raise ValueError('bad roles {} for {} training ranks'.format(
+            list(roles), size))
+    failed = sorted(set(range(size)) - set(held))
+    spares = [i for i, r in enumerate(roles) if r == SPARE]
+    takeover = dict(zip(spares, failed))
+    new_roles = [takeover.get(i, r) for i, r in enumerate(roles)]
+    return PoolPlan(failed, takeover, len(failed) - len(takeover), new_roles)
+
+
+def split_key(role: int, pool_index: int) -> Tuple[int, int]:
+    """``(color, key)`` of ``MPI_Comm_split`` that makes the training
+    communicator (color 0, ordered by training rank) and leaves the spares
+    apart (color 1, pool order)."""
+    return (1, pool_index) if role == SPARE else (0, role)
+
+
+class RankOrderSampler:
+    """A Chainer order sampler whose orders any process can recompute.
+
+    The order of an epoch is a permutation seeded by ``(seed, rank)`` and the
+    previous epoch's order, so the order of every epoch of every rank is a
+    pure function (:func:`epoch_order`): a replacement continues the failed
+    rank's epoch with exactly its order, and the union of what all ranks see
+    in that epoch stays the epoch.  ``current_position`` is ignored.
+
+    Args:
+        seed: Seed of the job.
+        rank: The rank whose orders this sampler draws.
+    """
+
+    def __init__(self, seed: int, rank: int):
+        self.seed = int(seed)
+        self.rank = int(rank)
+
+    def __call__(self, current_order: numpy.ndarray,
+                 current_position: int) -> numpy.ndarray:
+        digest = hashlib.sha1(numpy.asarray(
+            [self.seed, self.rank, len(current_order)], numpy.int64).tobytes())
+        digest.update(numpy.ascontiguousarray(current_order,
+                                              numpy.int64).tobytes())
+        state = numpy.random.RandomState(
+            int.from_bytes(digest.digest()[:4], 'little'))
+        return state.permutation(len(current_order))
+
+
+def epoch_order(n_examples: int, seed: int, rank: int,
+                epoch: int) -> numpy.ndarray:
+    """The order of ``epoch`` (0-based) of an iterator over ``n_examples``
+    that uses ``RankOrderSampler(seed, rank)`` from its start.
+
+    Raises:
+        ValueError: a negative epoch.
+    """
+    if epoch < 0:
+        raise ValueError('epoch must be >= 0, got {}'.format(epoch))
+    sampler = RankOrderSampler(seed, rank)
+    order = sampler(numpy.arange(n_examples), 0)
+    for _ in range(epoch):
+        order = sampler(order, 0)
+    return order
 
 
 SNAPSHOT_PATTERN = re.compile(r'^snapshot_iter_(\d+)$')

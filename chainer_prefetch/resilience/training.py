@@ -7,14 +7,26 @@ it repairs the communicator with the chosen strategy, makes the state of
 all ranks identical again, and retries, so ``trainer.run()`` goes on
 without a rollback:
 
-* ``respawn``: replacements take the failed ranks (same size, same order);
-  the lowest surviving rank sends the model, the optimizer state, the
-  iteration, the learning rate and its iterator position to every rank
-  (survivors load the model and optimizer too, since a collective may have
-  completed on some ranks and failed on others).
+* ``respawn``: the failed ranks are taken by warm spares parked in the
+  pool (``spares.py``), or spawned when there is no spare left; every rank
+  keeps its number.  The lowest surviving rank sends the model, the
+  optimizer state, the iteration, the learning rate and its iterator
+  position to every rank (survivors load the model and optimizer too, since
+  a collective may have completed on some ranks and failed on others).
+  Afterwards the training ranks top the pool up to the wanted number of
+  spares, and before every update they check that no spare has died.
 * ``shrink``: the survivors re-split the dataset over the new size (the
   split of ``chainermn.scatter_dataset``), resume at the same fraction of
   the epoch, and scale the learning rate with a rule (linear by default).
+
+Exact epochs after a respawn: every rank's training iterator draws its
+orders with :class:`~chainer_prefetch.resilience.policy.RankOrderSampler`,
+so any process can recompute any rank's order of any epoch.  Each update
+first notes the iterator position; after a failure every rank goes back to
+the position before the failed update (the sender's, the same on all ranks
+since the shards have equal lengths) with its own order of that epoch, and
+the update is retried.  So no example of the epoch is skipped or repeated,
+the replacement's included.
 
 Every rank holds the whole (small) example lists, so any rank can build any
 shard and the replacements get them with the state.
@@ -28,14 +40,17 @@ import numpy
 from chainer.serializers import DictionarySerializer, NpzDeserializer
 
 from chainer_prefetch.resilience import policy, recovery
-from chainer_prefetch.resilience.communicator import FaultTolerantCommunicator
+from chainer_prefetch.resilience.communicator import FaultTolerantCommunicator, revoke
 from chainer_prefetch.resilience.errors import ProcessFailure
 from chainer_prefetch.resilience.injection import EventLog
+from chainer_prefetch.resilience.spares import SparePool, Takeover
 
 STRATEGIES = ('respawn', 'shrink')
-ITERATOR_POSITION_KEYS = ('current_position', 'epoch', 'is_new_epoch',
-                          'previous_epoch_detail')
+POSITION_KEYS = ('current_position', 'epoch', 'is_new_epoch',
+                 'previous_epoch_detail')
 
+TrainIteratorFactory = Callable[[Any, Any], Any]
+"""``factory(shard_dataset, order_sampler) -> iterator``."""
 IteratorFactory = Callable[[Any], Any]
 """``factory(shard_dataset) -> iterator``."""
 
@@ -54,12 +69,52 @@ def load_state(target, state: Dict[str, Any], keys=None) -> None:
     target.serialize(NpzDeserializer(state, strict=keys is None))
 
 
+def load_optimizer_state(optimizer, state: Dict[str, Any]) -> None:
+    """Loads an optimizer state from :func:`to_state` of another rank.
+
+    The sender may not have updated some parameters yet (a failure during
+    the first update), so their state is absent: it is reset here too (it
+    is initialised again at the next update) instead of keeping this rank's.
+    """
+    updated = {key.rsplit('/', 1)[0] for key in state
+               if '/' in key and not key.endswith('/t')}
+    for path, param in optimizer.target.namedparams():
+        if param.update_rule is not None and path.lstrip('/') not in updated:
+            param.update_rule._state = None
+    optimizer.serialize(NpzDeserializer(state, strict=False))
+
+
 def shard(dataset, size: int, rank: int, seed: Optional[int]):
     """``rank``'s shard of ``dataset``, as ``chainermn.scatter_dataset`` with
     ``shuffle=seed is not None`` and ``seed`` makes it."""
     begin, end = policy.shard_bounds(len(dataset), size, rank)
     return chainer.datasets.SubDataset(
         dataset, begin, end, policy.shard_order(len(dataset), seed))
+
+
+def iterator_position(iterator) -> Dict[str, numpy.ndarray]:
+    """Where ``iterator`` is in its epochs (no order; cheap, no reset)."""
+    previous = iterator.previous_epoch_detail
+    return dict(current_position=numpy.asarray(iterator.current_position),
+                epoch=numpy.asarray(iterator.epoch),
+                is_new_epoch=numpy.asarray(iterator.is_new_epoch),
+                previous_epoch_detail=numpy.asarray(
+                    -1. if previous is None else previous))
+
+
+def move_iterator(iterator, position: Dict[str, Any],
+                  order: Optional[numpy.ndarray]) -> None:
+    """Puts ``iterator`` at ``position`` with ``order`` for that epoch (its
+    next order, if it keeps one, is drawn again by its sampler)."""
+    state = {key: numpy.asarray(position[key]) for key in POSITION_KEYS}
+    if order is not None:
+        state['order'] = numpy.asarray(order)
+    load_state(iterator, state)
+
+
+def order_sampler(seed: Optional[int], rank: int) -> policy.RankOrderSampler:
+    """The order sampler of ``rank``'s training iterator (seed None: 0)."""
+    return policy.RankOrderSampler(0 if seed is None else seed, rank)
 
 
 class FaultTolerantTraining:
@@ -70,37 +125,50 @@ class FaultTolerantTraining:
         strategy: ``'respawn'`` or ``'shrink'``.
         model: The model (a link).
         optimizer: The multi-node optimizer.
-        updater: The updater (its ``'main'`` iterator is replaced on shrink).
+        updater: The updater (its ``'main'`` iterator is moved or replaced).
         train: The whole training dataset (every rank holds it).
         val: The whole validation dataset, or None.
-        make_train_iterator, make_val_iterator: Build an iterator over a
-            shard (the old one is finalized when replaced).
+        make_train_iterator: Builds the training iterator over a shard
+            with an order sampler (:func:`order_sampler`; use it, or the
+            epochs after a respawn are not exact).
+        make_val_iterator: Builds a validation iterator over a shard (the
+            old one is finalized when replaced).
         evaluator: The multi-node evaluator extension, or None.
         trainer: The trainer (a replacement's triggers are set to the
             position it receives), or None.
-        seed: Seed of the training shuffle before splitting (None: none).
+        seed: Seed of the shuffle before splitting and of the orders
+            (None: no shuffle before splitting, orders seeded by 0).
         lr_rule: Learning-rate rule on shrink (name or callable).
-        respawn_command: Program and arguments of a replacement (default:
-            this Python with ``sys.argv``).
+        respawn_command: Program and arguments of a spare or replacement
+            (default: this Python with ``sys.argv``).
+        spares: Warm spares to keep (respawn; 0 spawns at the failure).
+        pool: The pool this process already belongs to (a spare that took
+            a rank); None makes one (collective) with ``spares``.
         min_size: Fewest ranks shrink may continue with.
         setup: Picklable object the replacements need to build the model
             (e.g. the class count), sent with the state.
+        reports: The :class:`~chainer_prefetch.resilience.reporting.
+            RankZeroReports` of this rank, or None (its log is sent to a
+            replacement of rank 0).
         events: Event log (recoveries are recorded there).
         log: Where messages go (rank 0 only prints).
     """
 
     def __init__(self, comm: FaultTolerantCommunicator, strategy: str, model,
                  optimizer, updater, train, val,
-                 make_train_iterator: IteratorFactory,
+                 make_train_iterator: TrainIteratorFactory,
                  make_val_iterator: Optional[IteratorFactory] = None,
                  evaluator=None, trainer=None, seed: Optional[int] = 0,
                  lr_rule: Union[str, policy.LrRule] = 'linear',
                  respawn_command: Optional[List[str]] = None,
-                 min_size: int = 1, setup: Any = None,
+                 spares: int = 0, pool: Optional[SparePool] = None,
+                 min_size: int = 1, setup: Any = None, reports=None,
                  events: Optional[EventLog] = None, log=None):
         if strategy not in STRATEGIES:
             raise ValueError('strategy must be one of {}, got {!r}'.format(
                 ', '.join(STRATEGIES), strategy))
+        if spares and strategy != 'respawn':
+            raise ValueError('spares are for the respawn strategy')
         self.comm = comm
         self.strategy = strategy
         self.model = model
@@ -117,10 +185,21 @@ class FaultTolerantTraining:
         self.respawn_command = respawn_command or [sys.executable] + sys.argv
         self.min_size = min_size
         self.setup = setup
+        self.reports = reports
         self.events = events
         self.log = log if log is not None else self._print
         self.recoveries: List[Dict[str, Any]] = []
         self._resumed_after_recovery = None  # False: recovered, not resumed
+        self._top_up_due = False
+        self._position: Optional[Dict[str, numpy.ndarray]] = None
+        self.pool = pool
+        if strategy == 'respawn' and pool is None:
+            heartbeat = (None if comm.watchdog is None
+                         else comm.watchdog.heartbeat)
+            self.pool = SparePool.start(comm.raw, spares,
+                                        self.respawn_command, heartbeat,
+                                        events)
+        comm.pool = self.pool
         self._install()
 
     def _print(self, message: str) -> None:
@@ -139,10 +218,14 @@ class FaultTolerantTraining:
         def retried(*args, **kwargs):
             while True:
                 try:
+                    self._between_updates()
+                    self._position = iterator_position(
+                        self.updater.get_iterator('main'))
                     result = function(*args, **kwargs)
                 except ProcessFailure as failure:
                     self.recover(failure)
                     continue
+                self._position = None
                 if self._resumed_after_recovery is False:
                     # Back in the training loop: the first iteration done.
                     self._resumed_after_recovery = True
@@ -151,6 +234,20 @@ class FaultTolerantTraining:
                                           iteration=self.updater.iteration)
                 return result
         return retried
+
+    def _between_updates(self) -> None:
+        """Checks the spares and, once training has resumed after a
+        recovery, tops the pool up (every rank at the same update)."""
+        if self.pool is None:
+            return
+        if self._top_up_due and self._resumed_after_recovery:
+            self._top_up_due = False
+            self.pool.top_up()
+        try:
+            self.pool.check()
+        except ProcessFailure:
+            revoke(self.comm.raw)  # every rank leaves its next collective
+            raise
 
     def _skipping(self, evaluate: Callable) -> Callable:
         """``evaluate`` that recovers and skips this evaluation after a
@@ -187,88 +284,127 @@ class FaultTolerantTraining:
             ProcessFailure: a failure during the repair that the caller may
                 retry (the retry loop does).
         """
+        seen = time.time()
         started = time.perf_counter()
         old_rank, old_size = self.comm.rank, self.comm.size
         lr_before = self.optimizer.lr
+        details: Dict[str, Any] = {}
         if self.strategy == 'respawn':
-            repair = recovery.respawn(self.comm, self.respawn_command[0],
-                                      self.respawn_command[1:])
+            takeover = self.pool.repair()
+            self.comm.repair(takeover.training)
+            root = takeover.survivors[0]
+            failed, replaced = takeover.failed, True
+            details = dict(from_spares=takeover.from_spares,
+                           spawned=takeover.spawned,
+                           spare_failures=takeover.spare_failures)
         else:
             repair = recovery.shrink(self.comm, self.min_size)
+            root, failed, replaced = 0, repair.failed, False
         repaired = time.perf_counter()
-        # After respawn the lowest survivor has its old rank; after shrink
-        # the survivors are ranks 0..size-1.
-        root = repair.survivors[0] if repair.replaced else 0
         package = None
         if self.comm.rank == root:
-            package = self.state_package(with_examples=repair.replaced)
+            package = self.state_package(with_examples=replaced)
         package = self.comm.bcast_obj(package, root=root)
         self.load_package(package, newcomer=False)
-        if not repair.replaced:
-            self._reshard(old_size)
+        if not replaced:
+            self._reshard(old_size, package['position'])
         record = dict(
             strategy=self.strategy, old_rank=old_rank, new_rank=self.comm.rank,
-            size_before=old_size, size=self.comm.size, failed=repair.failed,
+            size_before=old_size, size=self.comm.size, failed=failed,
             operation=failure.operation, lr_before=lr_before,
             lr=self.optimizer.lr, iteration=self.updater.iteration,
-            repair_seconds=repaired - started,
-            total_seconds=time.perf_counter() - started)
+            seen=seen, repair_seconds=repaired - started,
+            total_seconds=time.perf_counter() - started, **details)
         self.recoveries.append(record)
-        self._resumed_after_recovery = False
+        self._after_repair()
         if self.events is not None:
             self.events.write('recovered', **record)
-        self.log('recovered from the failure of rank(s) {} by {} in {:.2f} s '
-                 '(size {} -> {}, iteration {}, lr {:.4g} -> {:.4g})'.format(
-                     ', '.join(map(str, repair.failed)), self.strategy,
-                     record['total_seconds'], old_size, self.comm.size,
-                     self.updater.iteration, lr_before, self.optimizer.lr))
+        if failed:
+            what = 'the failure of rank(s) {}'.format(
+                ', '.join(map(str, failed)))
+        else:
+            what = 'the loss of a spare'
+        self.log('recovered from {} by {} in {:.2f} s (size {} -> {}, '
+                 'iteration {}, lr {:.4g} -> {:.4g}{})'.format(
+                     what, self.strategy, record['total_seconds'], old_size,
+                     self.comm.size, self.updater.iteration, lr_before,
+                     self.optimizer.lr, _spare_note(details)))
         return record
+
+    def _after_repair(self) -> None:
+        """Notes (on every rank, newcomers too) that training resumes now
+        and that the pool is to be topped up once it has."""
+        self._resumed_after_recovery = False
+        self._top_up_due = (self.pool is not None
+                            and self.pool.spares < self.pool.wanted)
 
     def state_package(self, with_examples: bool = True) -> Dict[str, Any]:
         """What a rank needs to continue: setup, model, optimizer,
-        iteration, learning rate, iterator position and (for replacements)
-        the example lists."""
+        iteration, learning rate, the iterator position before the update
+        that failed (and the whole iterator state for a replacement of an
+        iterator without a :class:`~chainer_prefetch.resilience.policy.
+        RankOrderSampler`), the report log and (for replacements) the
+        example lists."""
+        iterator = self.updater.get_iterator('main')
         package = dict(
             setup=self.setup, model=to_state(self.model),
             optimizer=to_state(self.optimizer.actual_optimizer),
             iteration=self.updater.iteration, lr=self.optimizer.lr,
             size=self.comm.size,
-            iterator=to_state(self.updater.get_iterator('main')))
+            position=(self._position if self._position is not None
+                      else iterator_position(iterator)))
         if with_examples:
             package.update(train=self.train, val=self.val)
+            if not isinstance(getattr(iterator, 'order_sampler', None),
+                              policy.RankOrderSampler):
+                package['iterator'] = to_state(iterator)
+            if self.reports is not None:
+                package['reports'] = self.reports.state()
         return package
 
     def load_package(self, package: Dict[str, Any], newcomer: bool) -> None:
-        """Loads model, optimizer, iteration and learning rate; a newcomer
-        also takes the iterator position and skips the first broadcast of
-        ``create_multi_node_optimizer`` (its model is already in sync)."""
+        """Loads model, optimizer, iteration, learning rate and the iterator
+        position; a newcomer also takes the report log and skips the first
+        broadcast of ``create_multi_node_optimizer`` (its model is already
+        in sync)."""
         load_state(self.model, package['model'])
-        load_state(self.optimizer.actual_optimizer, package['optimizer'])
+        load_optimizer_state(self.optimizer.actual_optimizer,
+                             package['optimizer'])
         self.updater.iteration = int(package['iteration'])
         self.optimizer.lr = package['lr']
+        iterator = self.updater.get_iterator('main')
+        sampler = getattr(iterator, 'order_sampler', None)
+        if isinstance(sampler, policy.RankOrderSampler):
+            position = package['position']
+            move_iterator(iterator, position, policy.epoch_order(
+                len(iterator.dataset), sampler.seed, sampler.rank,
+                int(position['epoch'])))
+        elif newcomer and 'iterator' in package:
+            load_state(iterator, package['iterator'])
         if newcomer:
-            load_state(self.updater.get_iterator('main'), package['iterator'])
+            self._after_repair()
+            if self.reports is not None and 'reports' in package:
+                self.reports.load(package['reports'])
             self.optimizer.is_changed(self.model)
             if self.trainer is not None:
                 resync_triggers(self.trainer)
 
-    def _reshard(self, old_size: int) -> None:
+    def _reshard(self, old_size: int, position: Dict[str, Any]) -> None:
         """After shrink: new shards, same fraction of the epoch, new lr."""
         size, rank = self.comm.size, self.comm.rank
         old_iterator = self.updater.get_iterator('main')
         old_length = len(old_iterator.dataset)
+        sampler = order_sampler(self.seed, rank)
         train_iterator = self.make_train_iterator(
-            shard(self.train, size, rank, self.seed))
-        state = to_state(train_iterator)
-        state['current_position'] = numpy.asarray(policy.resume_position(
-            old_iterator.current_position, old_length,
-            len(train_iterator.dataset)))
-        state['epoch'] = numpy.asarray(old_iterator.epoch)
-        state['is_new_epoch'] = numpy.asarray(False)
-        state['previous_epoch_detail'] = numpy.asarray(
-            old_iterator.epoch + int(state['current_position'])
-            / len(train_iterator.dataset))
-        load_state(train_iterator, state)
+            shard(self.train, size, rank, self.seed), sampler)
+        new_length = len(train_iterator.dataset)
+        moved = policy.resume_position(int(position['current_position']),
+                                       old_length, new_length)
+        epoch = int(position['epoch'])
+        move_iterator(train_iterator, dict(
+            current_position=moved, epoch=epoch, is_new_epoch=False,
+            previous_epoch_detail=epoch + moved / new_length),
+            policy.epoch_order(new_length, sampler.seed, rank, epoch))
         self.updater._iterators['main'] = train_iterator
         old_iterator.finalize()
         if self.evaluator is not None and self.val is not None:
@@ -277,6 +413,13 @@ class FaultTolerantTraining:
                 shard(self.val, size, rank, None))
             old_val.finalize()
         self.optimizer.lr = self.lr_rule(self.optimizer.lr, old_size, size)
+
+
+def _spare_note(details: Dict[str, Any]) -> str:
+    if not details:
+        return ''
+    return '; {} from spares, {} spawned'.format(details['from_spares'],
+                                                 details['spawned'])
 
 
 def resync_triggers(trainer) -> None:
@@ -298,7 +441,7 @@ def resync_triggers(trainer) -> None:
 
 
 def receive_package(comm: FaultTolerantCommunicator,
-                    repair: recovery.Repair) -> Dict[str, Any]:
+                    takeover: Takeover) -> Dict[str, Any]:
     """A replacement's receipt of :meth:`FaultTolerantTraining.state_package`
     (sent by the lowest surviving rank right after the repair)."""
-    return comm.bcast_obj(None, root=repair.survivors[0])
+    return comm.bcast_obj(None, root=takeover.survivors[0])

@@ -6,11 +6,12 @@ Usage::
     python -m chainer_prefetch_bench.fault.plot --results results/fault
 
 Reads ``recovery.json``, ``checkpoint_cost.json`` and ``curves.json`` and
-writes ``fig5_recovery_time.png`` (recovery time per strategy and number of
-ranks: median bar, every run as a dot), ``fig6_checkpoint_cost.png`` (one
-snapshot's cost in parts), ``fig7_curves_wall_time.png`` (validation error
-against wall time, failure marked) and ``fig8_curves_iteration.png`` (the
-same against the iteration).
+writes ``fig5_recovery_time.png`` (back in the loop and progress regained
+per strategy and number of ranks: median bar, every run as a dot, log
+scale), ``fig6_checkpoint_cost.png`` (one snapshot's cost in parts),
+``fig7_curves_wall_time.png`` (validation error against wall time, every
+run, failures marked) and ``fig8_curves_iteration.png`` (the same against
+the iteration).
 """
 import argparse
 import json
@@ -24,30 +25,36 @@ import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
 
-STRATEGIES = ('respawn', 'shrink', 'checkpoint')
-COLOURS = {'respawn': 'tab:blue', 'shrink': 'tab:green',
-           'checkpoint': 'tab:red', 'no failure': 'tab:gray'}
+STRATEGIES = ('respawn-spares', 'respawn', 'shrink', 'checkpoint')
+COLOURS = {'respawn-spares': 'tab:blue', 'respawn': 'tab:cyan',
+           'shrink': 'tab:green', 'checkpoint': 'tab:red',
+           'no failure': 'tab:gray'}
 
 
 def plot_recovery(records, path):
     sizes = sorted({r['ranks'] for r in records})
     width = 0.8 / len(STRATEGIES)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, strategy in enumerate(STRATEGIES):
-        for j, n in enumerate(sizes):
-            times = [r['recovery_s'] for r in records
-                     if r['strategy'] == strategy and r['ranks'] == n]
-            if not times:
-                continue
-            x = j + (i - 1) * width
-            ax.bar(x, statistics.median(times), width, color=COLOURS[strategy],
-                   label=strategy if j == 0 else None)
-            ax.plot([x] * len(times), times, 'k.', markersize=4)
-    ax.set_xticks(range(len(sizes)))
-    ax.set_xticklabels(['{} ranks'.format(n) for n in sizes])
-    ax.set_ylabel('recovery time (s)')
-    ax.set_title('Kill to every rank back in the training loop')
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, key, title in ((axes[0], 'back_s', 'Kill to back in the loop'),
+                           (axes[1], 'regain_s',
+                            'Kill to progress regained')):
+        for i, strategy in enumerate(STRATEGIES):
+            for j, n in enumerate(sizes):
+                times = [r[key] for r in records
+                         if r['strategy'] == strategy and r['ranks'] == n]
+                if not times:
+                    continue
+                x = j + (i - (len(STRATEGIES) - 1) / 2) * width
+                ax.bar(x, statistics.median(times), width,
+                       color=COLOURS[strategy],
+                       label=strategy if j == 0 else None)
+                ax.plot([x] * len(times), times, 'k.', markersize=3)
+        ax.set_yscale('log')
+        ax.set_xticks(range(len(sizes)))
+        ax.set_xticklabels(['{} ranks'.format(n) for n in sizes])
+        ax.set_title(title)
+    axes[0].set_ylabel('seconds (log scale)')
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -77,14 +84,18 @@ def plot_checkpoint_cost(records, path):
 
 
 def plot_curves(curves, path, x_index, xlabel):
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labelled = set()
     for run in curves['runs']:
         points = run['validation']
+        label = run['label']
         ax.plot([p[x_index] for p in points], [p[1] for p in points],
-                '.-', color=COLOURS[run['label']], label=run['label'])
+                '.-', color=COLOURS[label], linewidth=1, markersize=3,
+                label=None if label in labelled else label)
+        labelled.add(label)
         if x_index == 0 and run['failure_s'] is not None:
-            ax.axvline(run['failure_s'], color=COLOURS[run['label']],
-                       linestyle=':', linewidth=1)
+            ax.axvline(run['failure_s'], color=COLOURS[label],
+                       linestyle=':', linewidth=0.8)
     if x_index == 0:
         for t in curves['wall_times']:
             ax.axvline(t, color='k', linewidth=0.5)

@@ -609,8 +609,8 @@ def bad_input(world, name, spec, expect):
     if isinstance(spec, dict):
         options.update(spec)
         batch_size = options.pop('batch_size', BATCH)
-        if 'order_sampler' in options and 'shuffle' not in options:
-            options.pop('shuffle')
+        if 'order_sampler' in spec and 'shuffle' not in spec:
+            options.pop('shuffle')  # the default here, not the user's
     else:
         dataset = _bad_world(world, spec, dataset, options)
     try:
@@ -731,11 +731,25 @@ def _new_segments(before) -> set:
             if not name.startswith('sm_segment.')}
 
 
+def _ancestors() -> set:
+    """This process and the processes it was started by."""
+    pids, pid = set(), os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            with open('/proc/{}/stat'.format(pid)) as f:
+                pid = int(f.read().rsplit(')', 1)[1].split()[1])
+        except OSError:
+            break
+    return pids
+
+
 def _orphans() -> int:
-    """Loader processes of ours still running (their command line names us)."""
+    """Processes of the scenarios still running (their command line names us)."""
     count = 0
+    mine = _ancestors()
     for pid in os.listdir('/proc'):
-        if not pid.isdigit() or int(pid) == os.getpid():
+        if not pid.isdigit() or int(pid) in mine:
             continue
         try:
             with open('/proc/{}/cmdline'.format(pid), 'rb') as f:

@@ -11,7 +11,9 @@ import shutil
 import signal
 import subprocess
 import sys
-from typing import Dict, List, Optional, Sequence
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -60,7 +62,8 @@ def train_command(n_processes: int, arguments: Sequence[str]) -> List[str]:
 
 
 def run(command: Sequence[str], timeout: float, cwd: Optional[str] = None,
-        env: Optional[Dict[str, str]] = None):
+        env: Optional[Dict[str, str]] = None,
+        done: Optional[Callable[[], bool]] = None, poll: float = 0.5):
     """Runs ``command`` in its own process group, killed whole on timeout.
 
     Args:
@@ -68,25 +71,37 @@ def run(command: Sequence[str], timeout: float, cwd: Optional[str] = None,
         timeout: Seconds before the group gets SIGKILL.
         cwd: Working directory.
         env: Environment (default: :func:`environment`).
+        done: Checked every ``poll`` seconds while the command runs; once it
+            returns True the group is stopped (a job that has shown what a
+            measurement needs).  None: wait for the command to end.
+        poll: Seconds between checks of ``done``.
 
     Returns:
         ``(returncode, output, timed_out)``; output is stdout and stderr.
     """
-    process = subprocess.Popen(
-        list(command), cwd=cwd, env=env or environment(),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True)
-    timed_out = False
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _stop_group(process)
-        output, _ = process.communicate()
-    except BaseException:  # Ctrl-C, SIGTERM: the job goes with this process
-        _stop_group(process)
-        process.communicate()
-        raise
+    with tempfile.TemporaryFile() as sink:
+        process = subprocess.Popen(
+            list(command), cwd=cwd, env=env or environment(), stdout=sink,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        try:
+            while process.poll() is None:
+                if time.monotonic() >= deadline:
+                    timed_out = True
+                    break
+                if done is not None and done():
+                    break
+                try:
+                    process.wait(timeout=poll)
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:  # success, timeout, Ctrl-C, SIGTERM: nothing outlives it
+            if process.poll() is None:
+                _stop_group(process)
+            process.wait()
+        sink.seek(0)
+        output = sink.read()
     return process.returncode, output.decode(errors='replace'), timed_out
 
 

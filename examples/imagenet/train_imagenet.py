@@ -272,8 +272,15 @@ def add_fault_tolerance_arguments(parser):
                        help='learning rate after shrink, from the new size')
     group.add_argument('--min-size', type=int, default=1,
                        help='fewest ranks shrink may continue with')
+    group.add_argument('--spares', type=int, default=0,
+                       help='warm spare processes kept parked (respawn): a '
+                            'failed rank is taken by a spare instead of a '
+                            'process started at the failure')
     group.add_argument('--snapshot-interval', type=int, default=50,
                        help='iterations between snapshots (checkpoint)')
+    group.add_argument('--snapshot-seconds', type=float, default=None,
+                       help='seconds of training between snapshots '
+                            '(checkpoint; replaces --snapshot-interval)')
     group.add_argument('--stop-timeout', type=float, default=10.0,
                        help='seconds a stopped (SIGSTOP) rank may stay so '
                             'before it is killed and recovered from')
@@ -287,10 +294,16 @@ def add_fault_tolerance_arguments(parser):
                        default=None,
                        help='make --inject-rank fail once: SIGKILL, SIGSTOP '
                             'or exit without MPI_Finalize')
-    group.add_argument('--inject-rank', type=int, default=1)
-    group.add_argument('--inject-iteration', type=int, default=None)
+    group.add_argument('--inject-rank', type=int, nargs='+', default=[1],
+                       help='one or more ranks, each failing once')
+    group.add_argument('--inject-iteration', type=int, nargs='+',
+                       default=None, help='one per --inject-rank, or one')
     group.add_argument('--inject-seconds', type=float, default=None,
                        help='fail this many seconds after training started')
+    group.add_argument('--inject-spare-failure', type=float, default=None,
+                       metavar='SECONDS',
+                       help='the first spare is killed after parking this '
+                            'long')
 
 
 def set_start_method(method):
@@ -344,9 +357,11 @@ def set_loaderjob(args, comm, collective=True):
                   len(own), len(node)))
 
 
-def make_iterator(args, dataset, batch_size, train):
+def make_iterator(args, dataset, batch_size, train, order_sampler=None):
     kwargs = dict(repeat=train, shuffle=train, n_processes=args.loaderjob,
                   maxtasksperchild=args.maxtasksperchild)
+    if order_sampler is not None:
+        kwargs.update(shuffle=None, order_sampler=order_sampler)
     if args.iterator == 'multiprocess':
         return chainer.iterators.MultiprocessIterator(
             dataset, batch_size, **kwargs)
@@ -520,9 +535,10 @@ def make_optimizer(args, model, comm):
 
 
 def shard_iterator_factories(args):
-    """``(train_iterator(shard), val_iterator(shard))`` factories."""
-    def train_iterator(shard):
-        return make_iterator(args, shard, args.batchsize, True)
+    """``(train_iterator(shard, order_sampler=None), val_iterator(shard))``
+    factories (``order_sampler``: the exact epochs of ``--fault-tolerance``)."""
+    def train_iterator(shard, order_sampler=None):
+        return make_iterator(args, shard, args.batchsize, True, order_sampler)
 
     def val_iterator(shard):
         return make_iterator(args, shard, args.val_batchsize, False)
@@ -536,33 +552,55 @@ def train_fault_tolerant(args):
       ``chainer_prefetch.resilience``'s fault-tolerant one (CPU, ``naive``);
       a failure is repaired in-process by ``FaultTolerantTraining``.  Every
       rank keeps the whole example lists (they are small) so that any shard
-      can be rebuilt; a replacement started by ``respawn`` receives them
-      with the model, optimizer state, iteration and iterator position.
+      can be rebuilt.  Each rank runs under a supervisor process that fences
+      it if it ends without finalizing.  With ``--spares N``, N spare
+      processes of this program wait parked (``SparePool``) and take failed
+      ranks; a spare or a replacement receives the example lists with the
+      model, optimizer state, iteration and iterator position.
     * ``checkpoint``: rank 0 writes ``OUT/snapshot_iter_N`` every
-      ``--snapshot-interval`` iterations and every rank loads the latest one
-      at start; ``python -m chainer_prefetch.resilience.launcher`` relaunches
-      the job after a failure.
+      ``--snapshot-interval`` iterations (or ``--snapshot-seconds``) and
+      every rank loads the latest one at start;
+      ``python -m chainer_prefetch.resilience.launcher`` relaunches the job
+      after a failure.
 
     Events (failure, recovery, start, first iteration, validation) go to
     ``--ft-events`` for the experiments.
     """
     from chainer_prefetch.resilience import injection, launcher, policy
-    from chainer_prefetch.resilience.ulfm import check_ulfm
+    from chainer_prefetch.resilience.supervisor import supervise
     from chainer_prefetch.resilience.watchdog import WatchdogSettings
     if args.gpu or args.communicator != 'naive':
         sys.exit('--fault-tolerance runs on the CPU with the naive '
                  'communicator (drop --gpu / --communicator)')
+    started = time.time()
+    if args.fault_tolerance != 'checkpoint':
+        supervise()  # before MPI is initialised (the imports below)
     from chainer_prefetch.resilience import recovery
     from chainer_prefetch.resilience import training as ft_training
-    from chainer_prefetch.resilience.communicator import FaultTolerantCommunicator
+    from chainer_prefetch.resilience.communicator import FaultTolerantCommunicator, start_watchdog
     from chainer_prefetch.resilience.errors import ProcessFailure
-    started = time.time()
+    from chainer_prefetch.resilience.reporting import RankZeroReports
+    from chainer_prefetch.resilience.spares import SparePool
+    from chainer_prefetch.resilience.ulfm import check_ulfm
     watchdog = WatchdogSettings(args.stop_timeout, args.call_timeout)
     strategy = args.fault_tolerance
-    package = None
+    events = injection.EventLog(
+        args.ft_events or os.path.join(args.out, 'ft_events.jsonl'), -1)
+    package = pool = None
     if recovery.is_replacement():
-        comm, repair = recovery.join(watchdog)
-        package = ft_training.receive_package(comm, repair)
+        spare_watchdog = start_watchdog(-1, watchdog)
+        pool = SparePool.join(spare_watchdog, events)
+        first_spare = (pool.generation == 1 and pool.role == policy.SPARE
+                       and pool.roles.index(policy.SPARE)
+                       == pool.comm.Get_rank())
+        takeover = pool.wait(args.inject_spare_failure if first_spare
+                             else None)
+        if takeover is None:  # dismissed at the end of the job
+            spare_watchdog.heartbeat.enter('Finalize')
+            return
+        comm = FaultTolerantCommunicator(takeover.training,
+                                         watchdog=spare_watchdog)
+        package = ft_training.receive_package(comm, takeover)
         train, val = package['train'], package['val']
         n_class = package['setup']
     else:
@@ -580,9 +618,7 @@ def train_fault_tolerant(args):
                 int(label) for _, label in train.base._pairs)
             lists = (train, val, n_class)
         train, val, n_class = comm.bcast_obj(lists)
-    events = injection.EventLog(
-        args.ft_events or os.path.join(args.out, 'ft_events.jsonl'),
-        comm.rank)
+    events.rank = comm.rank
     restart = launcher.restart_count()
     events.write('start', strategy=strategy, size=comm.size, restart=restart,
                  replacement=package is not None, started=started)
@@ -594,7 +630,8 @@ def train_fault_tolerant(args):
     train_iterator, val_iterator = shard_iterator_factories(args)
     updater = training.updaters.StandardUpdater(
         train_iterator(ft_training.shard(train, comm.size, comm.rank,
-                                         args.seed)),
+                                         args.seed),
+                       ft_training.order_sampler(args.seed, comm.rank)),
         optimizer, device=device)
     trainer = training.Trainer(updater, (args.epoch, 'epoch'), args.out)
     interval = (10, 'iteration') if args.test else (1, 'epoch')
@@ -602,12 +639,22 @@ def train_fault_tolerant(args):
         extensions.Evaluator(val_iterator(ft_training.shard(
             val, comm.size, comm.rank, None)), model, device=device), comm)
     trainer.extend(evaluator, trigger=interval)
+    # Every rank keeps the report; only the current rank 0 writes it.
+    log_report = extensions.LogReport(trigger=interval)
+    print_report = extensions.PrintReport([
+        'epoch', 'iteration', 'main/loss', 'validation/main/loss',
+        'validation/main/accuracy', 'lr', 'elapsed_time'])
+    reports = RankZeroReports(comm, log_report, print_report)
+    for extension in (reports, log_report):
+        trainer.extend(extension)
+    trainer.extend(extensions.observe_lr(), trigger=interval)
+    trainer.extend(print_report, trigger=interval)
 
     if strategy == 'checkpoint':
         if comm.rank == 0:
             trainer.extend(extensions.snapshot(
                 filename='snapshot_iter_{.updater.iteration}'),
-                trigger=(args.snapshot_interval, 'iteration'))
+                trigger=snapshot_trigger(args))
         latest = None
         if os.path.isdir(args.out):
             latest = policy.latest_snapshot(sorted(os.listdir(args.out)))
@@ -622,24 +669,21 @@ def train_fault_tolerant(args):
             train_iterator, val_iterator, evaluator=evaluator,
             trainer=trainer, seed=args.seed, lr_rule=args.lr_rule,
             respawn_command=[sys.executable, os.path.abspath(sys.argv[0])]
-            + sys.argv[1:], min_size=args.min_size, setup=n_class,
+            + sys.argv[1:], spares=args.spares, pool=pool,
+            min_size=args.min_size, setup=n_class, reports=reports,
             events=events)
         if package is not None:
             recoverer.load_package(package, newcomer=True)
             events.write('joined', iteration=updater.iteration)
 
     if args.inject_failure and package is None and restart == 0:
-        trainer.extend(injection.FailureInjector(
-            comm.rank, args.inject_rank, args.inject_failure,
-            args.inject_iteration, args.inject_seconds, events))
-    trainer.extend(_first_iteration_event(events), trigger=(1, 'iteration'))
-    if comm.rank == 0:
-        trainer.extend(extensions.LogReport(trigger=interval))
-        trainer.extend(extensions.observe_lr(), trigger=interval)
-        trainer.extend(extensions.PrintReport([
-            'epoch', 'iteration', 'main/loss', 'validation/main/loss',
-            'validation/main/accuracy', 'lr', 'elapsed_time']),
-            trigger=interval)
+        for number, target in enumerate(args.inject_rank):
+            at = args.inject_iteration or [None]
+            trainer.extend(injection.FailureInjector(
+                comm.rank, target, args.inject_failure,
+                at[min(number, len(at) - 1)], args.inject_seconds, events),
+                name='FailureInjector{}'.format(number))
+    trainer.extend(_progress_events(events, comm))
     trainer.extend(_validation_event(events, comm), trigger=interval)
     try:
         trainer.run()
@@ -654,18 +698,34 @@ def train_fault_tolerant(args):
     comm.close()
 
 
-def _first_iteration_event(events):
-    """Records the first iteration done by this process (back in the loop)."""
+def snapshot_trigger(args):
+    """Every ``--snapshot-seconds`` of training, else every
+    ``--snapshot-interval`` iterations."""
+    if args.snapshot_seconds is not None:
+        return training.triggers.TimeTrigger(args.snapshot_seconds)
+    return (args.snapshot_interval, 'iteration')
+
+
+def _progress_events(events, comm):
+    """Records when this process enters the training loop, its first
+    iteration, and (rank 0, not forced to disk) every iteration."""
     done = []
 
+    def initialize(trainer):
+        events.write('loop_entered', iteration=trainer.updater.iteration)
+
     @training.make_extension(trigger=(1, 'iteration'),
-                             priority=training.PRIORITY_READER)
-    def first_iteration(trainer):
+                             priority=training.PRIORITY_READER,
+                             initializer=initialize)
+    def progress(trainer):
         if not done:
             done.append(True)
             events.write('first_iteration',
                          iteration=trainer.updater.iteration)
-    return first_iteration
+        elif comm.rank == 0:
+            events.write('iteration', iteration=trainer.updater.iteration,
+                         sync=False)
+    return progress
 
 
 def _parameters_digest(model):

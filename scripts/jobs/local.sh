@@ -36,6 +36,8 @@ OUT=${OUT:-result/local_${ITERATOR}_k${K}}
 REPO=${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 PYTHON=${PYTHON:-python}                    # e.g. $REPO/.venv/bin/python
 MPIEXEC=${MPIEXEC:-mpiexec}
+MPIEXEC_ARGS=${MPIEXEC_ARGS:-}              # more mpiexec options, e.g. '--with-ft ulfm' for
+                                            # --fault-tolerance respawn|shrink
 # ------------------------------------------------------------------------
 
 if [ ! -f "$TRAIN_LIST" ] || [ ! -f "$VAL_LIST" ]; then
@@ -52,7 +54,8 @@ mean_args=()
 if [ -n "$MEAN" ]; then mean_args=(--mean "$MEAN"); fi
 
 set -x
-"$MPIEXEC" --oversubscribe -n "$K" \
+# shellcheck disable=SC2086  # MPIEXEC_ARGS is a list of words
+"$MPIEXEC" --oversubscribe $MPIEXEC_ARGS -n "$K" \
     "$PYTHON" "$REPO/examples/imagenet/train_imagenet.py" \
     "$TRAIN_LIST" "$VAL_LIST" --root "$DATA_ROOT" ${mean_args[@]+"${mean_args[@]}"} \
     --arch "$ARCH" --crop-size "$CROP_SIZE" \
