@@ -101,14 +101,18 @@ def test_spark_layout_glob_and_list_of_files(shop, tmp_path):
     root = tmp_path / 'table'
     files = sorted(name for name in os.listdir(shop) if name.endswith('.parquet'))
     for number, name in enumerate(files):
-        partition = root / 'category={}'.format(number % 2)
+        partition = root / 'part={}'.format(number % 2)
         partition.mkdir(parents=True, exist_ok=True)
         shutil.copy(os.path.join(shop, name), str(partition / name))
         (partition / '.{}.crc'.format(name)).write_bytes(b'not parquet')
     (root / '_SUCCESS').write_bytes(b'')
     (root / '_temporary').mkdir()
     (root / '_temporary' / 'junk').write_bytes(b'not parquet')
-    assert len(ParquetDataset(str(root))) == ROWS
+    spark = ParquetDataset(str(root))
+    assert len(spark) == ROWS
+    assert spark.columns[-1] == 'part'  # the partition column, after the files'
+    # part=0 holds the first and third file, part=1 the second
+    assert [spark[i]['part'] for i in (0, 30, 60)] == [0, 0, 1]
     assert len(ParquetDataset(str(root / '*' / 'part-00001.parquet'))) == 30
     listed = [os.path.join(shop, name) for name in files[:2]]
     assert len(ParquetDataset(listed)) == 60

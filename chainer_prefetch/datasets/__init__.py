@@ -12,11 +12,17 @@ from chainer_prefetch.datasets.parquet import (  # noqa: E402
     find_parquet_files,
     read_row_group,
 )
+from chainer_prefetch.datasets.partitions import Partitions  # noqa: E402
 from chainer_prefetch.datasets.row_group_order import (  # noqa: E402
     RowGroupWindowOrderSampler,
     row_groups_per_batch,
 )
+from chainer_prefetch.datasets.split import (  # noqa: E402
+    assign_row_groups,
+    scatter_row_groups,
+)
 
 __all__ = ['ParquetColumnError', 'ParquetDataset', 'ParquetFileError',
-           'ParquetSchemaError', 'RowGroupFile', 'RowGroupWindowOrderSampler',
-           'find_parquet_files', 'read_row_group', 'row_groups_per_batch']
+           'ParquetSchemaError', 'Partitions', 'RowGroupFile', 'RowGroupWindowOrderSampler',
+           'assign_row_groups', 'find_parquet_files', 'read_row_group',
+           'row_groups_per_batch', 'scatter_row_groups']

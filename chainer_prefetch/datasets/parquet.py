@@ -30,7 +30,6 @@ size in the footer and settled with the real size).
 With any other iterator (e.g. Chainer's ``MultiprocessIterator``) each process
 reads the Parquet files directly, with its own bounded cache.
 """
-import bisect
 import collections
 import contextlib
 import errno
@@ -45,7 +44,23 @@ import pyarrow.ipc
 import pyarrow.parquet
 from chainer.dataset import DatasetMixin
 
-from chainer_prefetch.errors import ParquetColumnError, ParquetFileError, ParquetSchemaError
+from chainer_prefetch.columnar import ColumnarBatch, VarColumn
+from chainer_prefetch.datasets.arrow_columns import (
+    column_of_array,
+    columns_of_table,
+    is_number_type,
+)
+from chainer_prefetch.datasets.partitions import (
+    Partitions,
+    base_directory,
+    discover_partitions,
+)
+from chainer_prefetch.errors import (
+    ParquetColumnError,
+    ParquetFileError,
+    ParquetSchemaError,
+    example_load_error,
+)
 from chainer_prefetch.staging.sources import DerivedFile
 
 Paths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
@@ -103,9 +118,9 @@ class RowGroupFile(DerivedFile):
         return read_row_group(self.origin, self.row_group, self.columns)
 
     def write_local_form(self, content: pyarrow.Table, out) -> None:
-        """Writes ``content`` as an uncompressed Arrow IPC file."""
+        """Writes ``content`` as an uncompressed Arrow IPC file of one record batch."""
         with pyarrow.ipc.new_file(out, content.schema) as writer:
-            writer.write_table(content)
+            writer.write_table(content.combine_chunks())
 
 
 def read_row_group(path: str, row_group: int, columns: Sequence[str],
@@ -126,7 +141,11 @@ def read_row_group(path: str, row_group: int, columns: Sequence[str],
         ParquetFileError: the file cannot be read or is corrupt.
     """
     try:
-        parquet_file = pyarrow.parquet.ParquetFile(path, metadata=metadata)
+        # pre_buffer: the column chunks are read in a few large reads, in
+        # parallel (from a cold local disk, 0.23 s instead of 1.2 s for a
+        # row group of 88 MB).
+        parquet_file = pyarrow.parquet.ParquetFile(path, metadata=metadata,
+                                                   pre_buffer=True)
         with parquet_file:
             return parquet_file.read_row_group(row_group, columns=list(columns))
     except (OSError, pyarrow.ArrowException, ValueError) as error:
@@ -177,12 +196,13 @@ def _files_under(directory: str) -> Iterable[str]:
 
 
 class ParquetDataset(DatasetMixin):
-    """Rows of Parquet files as examples.
+    """Rows of Parquet files as examples, read row by row or a batch at a time.
 
     Args:
         paths: Files, directories or glob patterns (see
             :func:`find_parquet_files`).
-        columns: Columns to read, in this order; ``None`` for all.
+        columns: Columns to read, in this order; ``None`` for all (the
+            files' columns, then the partition columns).
         as_tuple: Return each example as a tuple in ``columns`` order instead
             of a dict.
         transform: Applied to each example (dict or tuple) before it is
@@ -192,43 +212,86 @@ class ParquetDataset(DatasetMixin):
             directly from the Parquet files with the
             :class:`~chainer_prefetch.datasets.RowGroupWindowOrderSampler`,
             use at least its ``window``: a smaller cache re-reads row groups.
+        batch_transform: Applied to the rows of a batch at once, as a
+            :class:`~chainer_prefetch.columnar.ColumnarBatch`, after
+            ``transform``: returns a ``ColumnarBatch``, or a dict (or tuple)
+            of columns, with one entry per row, row ``i`` depending on input
+            row ``i`` only (the iterator may split a batch).  A single
+            example (``dataset[i]``) goes through it as a batch of one.
+        partitioning: ``'hive'`` (default) reads ``key=value`` directories
+            as columns (see :mod:`chainer_prefetch.datasets.partitions`);
+            ``None`` ignores them.
+        partition_types: Arrow types of partition columns, by name, instead
+            of inferring them.
 
-    Staged by ``PrefetchMultiprocessIterator``, the local row-group files are
-    bounded by the iterator's ``local_capacity`` (without it they grow to
-    the decoded size of the dataset).
+    ``get_columns(indices)`` reads many rows at once as columns (vectorised
+    takes from each row group); :class:`~chainer_prefetch.PrefetchMultiprocessIterator`
+    uses it to load whole batches.  Staged by that iterator, the local
+    row-group files are bounded by its ``local_capacity`` (without it they
+    grow to the decoded size of the dataset).
 
     Raises:
         ParquetFileError: a file is missing, truncated or corrupt.
-        ParquetSchemaError: two files have different schemas.
+        ParquetSchemaError: two files have different schemas or partition
+            directories, or a partition column has a file column's name.
         ParquetColumnError: a requested column does not exist.
     """
 
     def __init__(self, paths: Paths, columns: Optional[Sequence[str]] = None,
                  as_tuple: bool = False,
                  transform: Optional[Callable[[Any], Any]] = None,
-                 cache_row_groups: int = 4):
+                 cache_row_groups: int = 4,
+                 batch_transform: Optional[Callable[[ColumnarBatch], Any]] = None,
+                 partitioning: Optional[str] = 'hive',
+                 partition_types: Optional[Dict[str, pyarrow.DataType]] = None):
         self.files = find_parquet_files(paths)
         if not self.files:
             raise ParquetFileError('no Parquet files in {}'.format(paths))
+        if partitioning not in ('hive', None):
+            raise ValueError("partitioning must be 'hive' or None, got {!r}"
+                             .format(partitioning))
         self._metadata = [_read_metadata(path) for path in self.files]
-        self.schema = _common_schema(self.files, self._metadata)
+        self.file_schema = _common_schema(self.files, self._metadata)
+        self.partitions = (discover_partitions(
+            self.files, base_directory(paths, self.files), partition_types)
+            if partitioning else Partitions((), (), []))
+        clashing = set(self.partitions.names) & set(self.file_schema.names)
+        if clashing:
+            raise ParquetSchemaError(
+                'partition column {} is also a column of the files (e.g. {})'
+                .format(', '.join(sorted(clashing)), self.files[0]))
+        self.schema = pyarrow.schema(list(self.file_schema) +
+                                     self.partitions.fields())
         self.columns = _check_columns(self.schema, columns)
+        self._file_columns = tuple(name for name in self.columns
+                                   if name not in self.partitions.names)
         self.as_tuple = as_tuple
         self.transform = transform
+        self.batch_transform = batch_transform
         self.cache_row_groups = max(1, int(cache_row_groups))
         self.row_group_locations: List[Tuple[int, int]] = [
             (file_index, group)
             for file_index, metadata in enumerate(self._metadata)
             for group in range(metadata.num_row_groups)]
-        self.row_group_sizes = numpy.array(
-            [self._metadata[file_index].row_group(group).num_rows
-             for file_index, group in self.row_group_locations],
-            dtype=numpy.int64)
-        self._row_group_ends = [int(end) for end in
-                                numpy.cumsum(self.row_group_sizes)]
-        self._row_group_files = {}
+        sizes = [self._metadata[file_index].row_group(group).num_rows
+                 for file_index, group in self.row_group_locations]
+        self._set_row_groups(list(range(len(sizes))), sizes, sizes)
         self._locate: Optional[Callable[[str], str]] = None
         self._cache = collections.OrderedDict()
+
+    def _set_row_groups(self, groups: List[int], sizes: Sequence[int],
+                        stored: Sequence[int]):
+        """Which row groups the examples come from, and how many rows each gives.
+
+        A row group giving more rows than it holds (``sizes[k] > stored[k]``)
+        repeats its rows from the first (see :meth:`row_group_view`).
+        """
+        self.row_groups = numpy.asarray(groups, dtype=numpy.int64)
+        self.row_group_sizes = numpy.asarray(sizes, dtype=numpy.int64)
+        self._stored_sizes = numpy.asarray(stored, dtype=numpy.int64)
+        self._row_group_ends = numpy.cumsum(self.row_group_sizes)
+        self._row_group_starts = self._row_group_ends - self.row_group_sizes
+        self._row_group_files = {}
 
     @property
     def column_types(self) -> Dict[str, pyarrow.DataType]:
@@ -236,33 +299,181 @@ class ParquetDataset(DatasetMixin):
         return {name: self.schema.field(name).type for name in self.columns}
 
     def __len__(self) -> int:
-        return self._row_group_ends[-1] if self._row_group_ends else 0
+        return int(self._row_group_ends[-1]) if len(self._row_group_ends) else 0
 
     def row_group_of(self, index: int) -> Tuple[int, int]:
         """The row group holding example ``index`` and the row within it.
 
+        The row group is numbered among this dataset's row groups (those of
+        :attr:`row_groups`).
+
         Raises:
             IndexError: ``index`` is out of range.
         """
-        if not 0 <= index < len(self):
+        groups, rows = self._locate_rows(numpy.asarray([index]))
+        return int(groups[0]), int(rows[0])
+
+    def _locate_rows(self, indices: numpy.ndarray):
+        """Row group and row within it of each index, vectorised."""
+        indices = numpy.asarray(indices, dtype=numpy.int64)
+        size = len(self)
+        bad = (indices < 0) | (indices >= size)
+        if bad.any():
             raise IndexError('index {} out of range for {} rows'.format(
-                index, len(self)))
-        group = bisect.bisect_right(self._row_group_ends, index)
-        start = self._row_group_ends[group] - int(self.row_group_sizes[group])
-        return group, index - start
+                int(indices[bad][0]), size))
+        groups = numpy.searchsorted(self._row_group_ends, indices, side='right')
+        rows = (indices - self._row_group_starts[groups]) % numpy.maximum(
+            self._stored_sizes[groups], 1)
+        return groups, rows
 
     def get_example(self, index: int):
         """Example ``index``: a dict (or tuple) of the selected columns, transformed."""
+        if self.batch_transform is not None:
+            return self.get_columns([index])[0]
         group, row = self.row_group_of(int(index))
-        columns = self._row_group_columns(group)
-        values = [convert(column, row) for column, convert in columns]
-        if self.as_tuple:
-            example = tuple(values)
-        else:
-            example = dict(zip(self.columns, values))
+        entry = self._row_group_entry(group)
+        file_index = self.row_group_locations[self.row_groups[group]][0]
+        values = [self.partitions.value(file_index, name)
+                  if name in self.partitions.names else entry.value(name, row)
+                  for name in self.columns]
+        example = tuple(values) if self.as_tuple else dict(
+            zip(self.columns, values))
         if self.transform is not None:
             example = self.transform(example)
         return example
+
+    def get_columns(self, indices: Sequence[int]) -> ColumnarBatch:
+        """Rows ``indices``, in that order, as columns: one vectorised take per row group.
+
+        Each row group is read (or memory-mapped, when staged) once per
+        process and cached like the rows of :meth:`get_example`; the rows are
+        cut out of it with Arrow's ``take``.  ``transform`` (per row) and
+        ``batch_transform`` apply as for single examples, so ``batch[i]``
+        equals ``dataset[indices[i]]``.
+
+        Args:
+            indices: Example indices (any order, repeats allowed).
+
+        Returns:
+            A :class:`~chainer_prefetch.columnar.ColumnarBatch` of
+            ``len(indices)`` rows.
+
+        Raises:
+            IndexError: an index is out of range.
+            ParquetFileError: a row group cannot be read (the message names
+                the file and row group; ``error.index`` is an example in it).
+            Exception: what ``transform`` raised, as an
+                :class:`~chainer_prefetch.ExampleLoadError` of the same type
+                naming the example; what ``batch_transform`` raised, naming
+                the batch's examples.
+        """
+        indices = numpy.asarray(indices, dtype=numpy.int64).reshape(-1)
+        if len(indices) == 0:
+            raise ValueError('get_columns needs at least one index')
+        groups, rows = self._locate_rows(indices)
+        table = self._take_rows(indices, groups, rows)
+        columns = columns_of_table(table, self._file_columns)
+        columns.update(self._partition_columns(groups))
+        form = 'tuple' if self.as_tuple else 'dict'
+        batch = ColumnarBatch({name: columns[name] for name in self.columns},
+                              form, [name for name in self.columns
+                                     if is_number_type(self.schema.field(name).type)])
+        if self.transform is not None:
+            batch = self._transform_rows(batch, indices, groups)
+        if self.batch_transform is not None:
+            batch = self._transform_batch(batch, indices, groups)
+        return batch
+
+    def _take_rows(self, indices, groups, rows) -> pyarrow.Table:
+        order = numpy.argsort(groups, kind='stable')
+        sorted_groups = groups[order]
+        bounds = numpy.flatnonzero(numpy.diff(sorted_groups)) + 1
+        parts = []
+        for segment in numpy.split(order, bounds):
+            group = int(groups[segment[0]])
+            try:
+                table = self._row_group_entry(group).table
+            except OSError as error:
+                error.index = int(indices[segment[0]])
+                raise
+            parts.append(table.take(pyarrow.array(rows[segment])))
+        if len(parts) == 1:
+            return parts[0]
+        inverse = numpy.empty(len(order), dtype=numpy.int64)
+        inverse[order] = numpy.arange(len(order))
+        return pyarrow.concat_tables(parts).take(pyarrow.array(inverse))
+
+    def _partition_columns(self, groups) -> Dict[str, Any]:
+        columns = {}
+        files = numpy.asarray([self.row_group_locations[group][0]
+                               for group in self.row_groups])[groups]
+        for column, name in enumerate(self.partitions.names):
+            if name not in self.columns:
+                continue
+            values = [self.partitions.values[file_index][column]
+                      for file_index in range(len(self.files))]
+            array = pyarrow.array(values, self.partitions.types[column])
+            columns[name] = column_of_array(array.take(pyarrow.array(files)))
+        return columns
+
+    def _transform_rows(self, batch, indices, groups) -> ColumnarBatch:
+        examples = []
+        for position in range(len(batch)):
+            try:
+                examples.append(self.transform(batch[position]))
+            except Exception as error:
+                index = int(indices[position])
+                raise example_load_error(error, index, self._files_of(
+                    groups[position:position + 1])) from error
+        return ColumnarBatch.from_examples(examples)
+
+    def _transform_batch(self, batch, indices, groups) -> ColumnarBatch:
+        try:
+            result = as_columnar_batch(self.batch_transform(batch), len(batch))
+        except Exception as error:
+            shown = ', '.join(str(int(index)) for index in indices[:8])
+            where = ('batch_transform on {} examples ({}{})'.format(
+                len(indices), shown, ', ...' if len(indices) > 8 else ''),)
+            raise example_load_error(error, int(indices[0]), where + self._files_of(
+                groups)) from error
+        return result
+
+    def _files_of(self, groups) -> Tuple[str, ...]:
+        return tuple('{} (row group {})'.format(
+            self.files[self.row_group_locations[self.row_groups[group]][0]],
+            self.row_group_locations[self.row_groups[group]][1])
+            for group in sorted(set(int(group) for group in groups)))
+
+    def row_group_view(self, groups: Sequence[int],
+                       sizes: Optional[Sequence[int]] = None) -> 'ParquetDataset':
+        """A dataset of some row groups of this one, each maybe padded.
+
+        Args:
+            groups: Row groups of this dataset (numbers among
+                :attr:`row_groups`), in the order the view numbers its rows.
+            sizes: Rows each gives (default: the rows it holds).  A size
+                above that repeats its rows from the first, so that ranks
+                get equally many examples with every row group read by
+                one rank only.
+
+        Returns:
+            A ``ParquetDataset`` with the same columns and transforms.
+
+        Raises:
+            ValueError: a size is below the rows its row group holds.
+        """
+        groups = [int(group) for group in groups]
+        stored = [int(self._stored_sizes[group]) for group in groups]
+        sizes = stored if sizes is None else [int(size) for size in sizes]
+        if len(sizes) != len(groups) or any(
+                size < held or (held == 0 and size > 0)
+                for size, held in zip(sizes, stored)):
+            raise ValueError('sizes must not be below the rows of each row '
+                             'group ({}), got {}'.format(stored, sizes))
+        view = self._clone()
+        view._set_row_groups([int(self.row_groups[group]) for group in groups],
+                             sizes, stored)
+        return view
 
     # ---- the staging protocol (chainer_prefetch.staging.dataset_files) ----
 
@@ -300,22 +511,20 @@ class ParquetDataset(DatasetMixin):
     def _row_group_file(self, group: int) -> RowGroupFile:
         derived = self._row_group_files.get(group)
         if derived is None:
-            file_index, group_in_file = self.row_group_locations[group]
+            file_index, group_in_file = self.row_group_locations[
+                self.row_groups[group]]
             derived = RowGroupFile(self.files[file_index], group_in_file,
-                                   self.columns, self._metadata[file_index])
+                                   self._file_columns, self._metadata[file_index])
             self._row_group_files[group] = derived
         return derived
 
-    def _row_group_columns(self, group: int):
+    def _row_group_entry(self, group: int) -> '_CachedRowGroup':
         cached = self._cache.get(group)
         if cached is not None:
             with contextlib.suppress(KeyError):  # threads may race here
                 self._cache.move_to_end(group)
             return cached
-        table = self._read_row_group(group)
-        cached = [(_single_chunk(table.column(name)),
-                   _converter(self.schema.field(name).type))
-                  for name in self.columns]
+        cached = _CachedRowGroup(self._read_row_group(group), self.file_schema)
         self._cache[group] = cached
         while len(self._cache) > self.cache_row_groups:
             with contextlib.suppress(KeyError):
@@ -323,22 +532,73 @@ class ParquetDataset(DatasetMixin):
         return cached
 
     def _read_row_group(self, group: int) -> pyarrow.Table:
-        file_index, group_in_file = self.row_group_locations[group]
         if self._locate is not None:
             return _read_ipc(self._locate(self._row_group_file(group)))
+        file_index, group_in_file = self.row_group_locations[self.row_groups[group]]
         return read_row_group(self.files[file_index], group_in_file,
-                              self.columns, self._metadata[file_index])
+                              self._file_columns, self._metadata[file_index])
 
     def _clone(self) -> 'ParquetDataset':
         view = object.__new__(type(self))
         view.__dict__.update(self.__dict__)
         view._cache = collections.OrderedDict()
+        view._row_group_files = {}
         return view
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state['_cache'] = collections.OrderedDict()
         return state
+
+
+class _CachedRowGroup:
+    """A row group's table, with the per-row converters made on first use."""
+
+    def __init__(self, table: pyarrow.Table, schema: pyarrow.Schema):
+        self.table = table
+        self._schema = schema
+        self._row_columns = {}
+
+    def value(self, name: str, row: int):
+        """One value, as a row read gives it."""
+        found = self._row_columns.get(name)
+        if found is None:
+            found = self._row_columns[name] = (
+                _single_chunk(self.table.column(name)),
+                _converter(self._schema.field(name).type))
+        column, convert = found
+        return convert(column, row)
+
+
+def as_columnar_batch(result, rows: int) -> ColumnarBatch:
+    """What a ``batch_transform`` returned, as a batch of ``rows`` rows.
+
+    Args:
+        result: A ``ColumnarBatch``, a dict of columns (arrays or
+            ``VarColumn``), a tuple of them, or one array.
+        rows: The rows it must have.
+
+    Raises:
+        TypeError: another kind of result.
+        ValueError: a column of another length.
+    """
+    if isinstance(result, ColumnarBatch):
+        batch = result
+    elif isinstance(result, dict):
+        batch = ColumnarBatch(result, 'dict')
+    elif isinstance(result, tuple):
+        batch = ColumnarBatch({str(i): column for i, column in enumerate(result)},
+                              'tuple')
+    elif isinstance(result, (numpy.ndarray, VarColumn)):
+        batch = ColumnarBatch({'0': result}, 'single')
+    else:
+        raise TypeError('batch_transform must return a ColumnarBatch, a dict or '
+                        'tuple of columns, or an array; got {}'.format(
+                            type(result).__name__))
+    if len(batch) != rows:
+        raise ValueError('batch_transform returned {} rows for {}'.format(
+            len(batch), rows))
+    return batch
 
 
 def _return_freed_memory_at_once() -> None:

@@ -43,9 +43,9 @@ from typing import Any, Optional
 
 import numpy
 
-from chainer_prefetch.errors import WorkerDiedError, example_load_error
+from chainer_prefetch.errors import ExampleLoadError, WorkerDiedError, example_load_error
+from chainer_prefetch.iterators import _columnar_worker, _worker
 from chainer_prefetch.iterators import _scheduler as s
-from chainer_prefetch.iterators import _worker
 from chainer_prefetch.iterators._worker_pool import TASKS_PER_WORKER, WorkerPool
 from chainer_prefetch.staging.sources import as_source
 
@@ -273,6 +273,16 @@ class SharedBuffers:
         return [_worker.unpack(example, base, copy=not hand_over)
                 for example in examples]
 
+    def unpack_columns(self, buffer: Optional[int], packed, hand_over: bool):
+        """A columnar batch with its columns read from ``buffer`` (see :meth:`unpack`)."""
+        memory = self._maps.get(buffer)
+        if memory is None:
+            return packed
+        base = numpy.frombuffer(memory, numpy.uint8)
+        if hand_over:
+            weakref.finalize(base, self._post, s.BufferReleased(buffer))
+        return _columnar_worker.unpack_columns(packed, base, copy=not hand_over)
+
     def free(self, buffer: int):
         """Unmaps ``buffer`` here and in the loader processes."""
         memory = self._maps.pop(buffer, None)
@@ -453,6 +463,8 @@ class Executor:
         kind = type(action)
         if kind is s.Load:
             self._load(action)
+        elif kind is s.LoadColumns:
+            self._load_columns(action)
         elif kind is s.Copy:
             self._copies.submit(action)
         elif kind is s.Used:
@@ -514,6 +526,30 @@ class Executor:
             self._events.put(s.Loaded(task_id, tuple(results)))
         return on_done
 
+    def _load_columns(self, action: s.LoadColumns):
+        buffer = action.buffer if self._buffers.slot_bytes(action.buffer) else None
+
+        def on_done(task_id, ok, value):
+            """On the worker pool's collector thread: turns the answer into an event."""
+            if not ok:
+                value = (None, value, None, int(action.indices[0]))
+            read_from, batch, detail, last = value
+            if read_from is None and isinstance(batch, ExampleLoadError):
+                # named by the dataset already (the row, or a batch transform)
+                result = s.LoadFailure(example_load_error(
+                    batch, batch.index, batch.files, detail))
+            elif read_from is None:
+                result = s.LoadFailure(self._load_error(last, batch, detail))
+            else:
+                result = s.LoadResult(batch, _READ_FROM[read_from], detail, last)
+            self._events.put(s.ColumnsLoaded(task_id, result))
+
+        try:
+            self._pool.submit(action.task_id, _columnar_worker.load_columns,
+                              (action.indices, action.local, buffer), on_done)
+        except RuntimeError:  # closed while shutting down
+            pass
+
     def _load_error(self, index, error, remote_traceback):
         files = ()
         if self._files is not None:
@@ -546,6 +582,14 @@ class Executor:
             return []
         if action.kind == 'failure':
             self.mailbox.put(Failure(action.error), generation)
+            return []
+        if action.columnar:
+            batch = self._buffers.unpack_columns(
+                action.buffer, action.examples[0], action.hand_over)
+            self.mailbox.put((batch, action.state), generation)
+            if action.measure:  # bytes per row, with room for larger rows
+                return [s.Measured(-(-_columnar_worker.packed_bytes(batch) * 5
+                                     // 4 // max(1, len(batch))))]
             return []
         examples = self._buffers.unpack(action.buffer, action.examples,
                                         action.hand_over)

@@ -56,6 +56,21 @@ delivered and released, or discarded by a reset, *and* every load task
 writing into it has answered.  When every buffer the cap allows is taken, a
 batch is copied out of its buffer instead.  An example larger than its slot
 travels by pickling, and later buffers get larger slots.
+
+Columnar batches
+----------------
+With ``SchedulerConfig.columnar`` (a dataset with ``get_columns``, see
+:mod:`chainer_prefetch.columnar`) a batch's positions are *units*: the rows
+of the batch that share an item (a Parquet row group) in one epoch.  A unit
+goes through the statuses above as one access (its access number is that
+of its last row, its weight the number of its rows), so the bookkeeping per
+batch is a few units, not one entry per row.  Once every unit is ready, the
+whole batch is one :class:`LoadColumns` task (answer:
+:class:`ColumnsLoaded`): the loader process writes its columns into the
+batch's buffer (``example_bytes`` per row), and the batch is delivered as
+one :class:`~chainer_prefetch.columnar.ColumnarBatch`.  The decode window
+is then ``config.decode_window`` batches (one task each), so that every
+loader process can have a batch.  The next-epoch cache is not used.
 """
 import collections
 import dataclasses
@@ -179,6 +194,20 @@ class Loaded:
 
 
 @dataclasses.dataclass(frozen=True)
+class ColumnsLoaded:
+    """A :class:`LoadColumns` task answered: a :class:`LoadResult` or :class:`LoadFailure`.
+
+    The result's ``example`` is the batch's columns, ``read_from`` where the
+    rows read locally came from, ``source_bytes`` what the rest read from
+    shared storage, ``unfit_bytes`` the bytes per row needed when the
+    columns did not fit the buffer.
+    """
+
+    task_id: int
+    result: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class Measured:
     """The first delivered batch was measured: the largest example's bytes."""
 
@@ -257,6 +286,21 @@ class Load:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoadColumns:
+    """Load a whole batch as columns in a loader process.
+
+    ``indices`` are the batch's rows in order; ``local`` says for each
+    whether to read it through the located view (its item is staged).
+    """
+
+    task_id: int
+    batch_id: int
+    indices: numpy.ndarray
+    local: numpy.ndarray
+    buffer: Optional[int]
+
+
+@dataclasses.dataclass(frozen=True)
 class AllocateBuffer:
     """Allocate shared buffer ``buffer``: ``example_bytes`` per example of a batch."""
 
@@ -282,7 +326,8 @@ class Deliver:
     :class:`BufferReleased`); without, they are copied out of it.
     ``cache_wants`` lists ``(position, index, epoch)`` of the examples the
     next-epoch cache wants a copy of (answer: :class:`CacheOffers`);
-    ``measure`` asks for a :class:`Measured` answer.
+    ``measure`` asks for a :class:`Measured` answer.  ``columnar``: the
+    examples are one batch of columns (see :class:`LoadColumns`).
     """
 
     kind: str
@@ -294,6 +339,7 @@ class Deliver:
     error: Optional[BaseException] = None
     cache_wants: Tuple[Tuple[int, int, int], ...] = ()
     measure: bool = False
+    columnar: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,6 +367,9 @@ class SchedulerConfig:
         example_bytes: ``shared_mem`` (``None``: measure the first batch).
         revalidate_each_epoch: A copy known local in one epoch is staged
             again (its source re-checked) in the next.
+        columnar: Batches load as columns, one task per batch (see the
+            module docstring).
+        decode_window: Batches whose examples load at the same time.
     """
 
     batch_size: int
@@ -337,6 +386,8 @@ class SchedulerConfig:
     item_of: Optional[numpy.ndarray] = None
     example_bytes: Optional[int] = None
     revalidate_each_epoch: bool = False
+    columnar: bool = False
+    decode_window: int = DECODE_WINDOW
 
 
 class _Buffers:
@@ -446,6 +497,38 @@ class _Batch:
     def access(self, position: int) -> int:
         return self.first_access + position
 
+    def weight(self, position: int) -> int:
+        """Examples the access at ``position`` stands for."""
+        return 1
+
+
+class _UnitBatch(_Batch):
+    """A columnar batch: its positions are units, the rows sharing an item in one epoch.
+
+    Args:
+        batch_id, state, first_access: As for :class:`_Batch`.
+        rows: The batch's indices, in order.
+        keys: For each row, its unit's key (rows with equal keys form a unit).
+    """
+
+    def __init__(self, batch_id, rows, state, first_access, keys):
+        _, first, unit_of_row = numpy.unique(keys, return_index=True,
+                                             return_inverse=True)
+        _, last_reversed = numpy.unique(keys[::-1], return_index=True)
+        super().__init__(batch_id, rows[first], state, first_access)
+        self.rows = rows
+        self.unit_of_row = unit_of_row.reshape(-1)
+        self.weights = numpy.bincount(self.unit_of_row, minlength=len(first))
+        self.last_position = len(rows) - 1 - last_reversed
+        self.local = numpy.zeros(len(first), dtype=bool)  # read locally
+        self.columns: Any = None  # the loaded columns
+
+    def access(self, position: int) -> int:
+        return self.first_access + int(self.last_position[position])
+
+    def weight(self, position: int) -> int:
+        return int(self.weights[position])
+
 
 class _Marker:
     """An in-flight entry that is not a batch: end of data, or stage 1's failure."""
@@ -491,7 +574,11 @@ class Scheduler:
         self._exhausted = False
         self.taken = self.delivered = self.generated = 0
         self._delivered_ever = 0  # batches delivered since the start (slow start)
-        self._buffers = _Buffers(DECODE_WINDOW + config.n_prefetch + 2,
+        if config.columnar and cache is not None:
+            raise ValueError('columnar batches do not use the next-epoch cache')
+        self._decode_window = (max(DECODE_WINDOW, config.decode_window)
+                               if config.columnar else DECODE_WINDOW)
+        self._buffers = _Buffers(self._decode_window + config.n_prefetch + 2,
                                  config.example_bytes)
         self._cache_epoch = -1  # the cache dropped what epochs before this left
         self._measure_next = config.example_bytes is None
@@ -529,7 +616,7 @@ class Scheduler:
         assert self._copy_window() <= config.n_copy_ahead
         assert len(self._in_flight) == self.generated - self.delivered
         for offset, entry in enumerate(self._in_flight):
-            if isinstance(entry, _Batch) and offset >= DECODE_WINDOW:
+            if isinstance(entry, _Batch) and offset >= self._decode_window:
                 assert not entry.dispatched, 'load outside the decode window'
         for entry in self._in_flight:
             if isinstance(entry, _Batch):
@@ -643,6 +730,34 @@ class Scheduler:
             if result.unfit_bytes:
                 self._buffers.grow(result.unfit_bytes)
 
+    def _on_ColumnsLoaded(self, event):
+        batch_id, units = self._tasks.pop(event.task_id)
+        batch = self._batches[batch_id]
+        batch.outstanding -= 1
+        if batch.discarded:
+            self._release_if_idle(batch)
+            return
+        result = event.result
+        if not isinstance(result, LoadResult):
+            for unit in units:
+                batch.status[unit] = Status.FAILED
+            batch.error = (result.error if isinstance(result, LoadFailure)
+                           else RuntimeError('load task ended early'))
+            return
+        batch.columns = result.example
+        source_bytes = result.source_bytes
+        for unit in units:
+            batch.status[unit] = Status.LOADED
+            batch.done += 1
+            read_from = result.read_from if batch.local[unit] else ReadFrom.SOURCE
+            counted = LoadResult(None, read_from, 0 if read_from is ReadFrom.LOCAL
+                                 else source_bytes)
+            if read_from is not ReadFrom.LOCAL:
+                source_bytes = 0  # counted once
+            self._count_load(batch, unit, counted)
+        if result.unfit_bytes:
+            self._buffers.grow(result.unfit_bytes)
+
     def _on_Measured(self, event):
         if self._buffers.example_bytes is None:  # 0: examples without arrays
             self._buffers.example_bytes = event.example_bytes
@@ -675,7 +790,7 @@ class Scheduler:
 
     def _copy_window(self) -> int:
         return min(self.config.n_copy_ahead,
-                   DECODE_WINDOW + self._delivered_ever)
+                   self._decode_window + self._delivered_ever)
 
     def _generate(self):
         """Stage 1 up to the copy window; plans staging for each new access."""
@@ -697,16 +812,31 @@ class Scheduler:
                 self._push(_Marker('end', state=self._state))
                 self._exhausted = True
                 return
-            batch = _Batch(next(self._ids), indices, self._state, first_access)
+            batch = self._new_batch(indices, first_access)
             self._batches[batch.id] = batch
             self._push(batch)
             if self._future is not None:
                 batch.next_uses = [
                     self._future.following_use(self._item(int(index)),
                                                batch.access(position))
-                    for position, index in enumerate(indices)]
+                    for position, index in enumerate(batch.indices)]
             for position in range(batch.size):
                 self._plan(batch, position)
+
+    def _new_batch(self, indices, first_access) -> _Batch:
+        if not self.config.columnar:
+            return _Batch(next(self._ids), indices, self._state, first_access)
+        rows = numpy.asarray(indices, dtype=numpy.int64)
+        epochs = (first_access + numpy.arange(len(rows))
+                  ) // self.config.dataset_length
+        if not self.config.staging:
+            keys = epochs  # one unit per epoch the batch spans
+        else:
+            item_of = self.config.item_of
+            items = rows if item_of is None else item_of[rows]
+            keys = epochs * (len(self._known_local) + 1) + items
+        return _UnitBatch(next(self._ids), rows, self._state, first_access,
+                          keys)
 
     def _register_orders(self):
         """Tells the future uses and the cache the orders of this epoch and the next."""
@@ -767,7 +897,8 @@ class Scheduler:
         batch.status[position] = Status.STAGED if local else Status.SOURCE
         (batch.ready_local if local else batch.ready_source).append(position)
         if counted:
-            self.counts['examples_staged' if local else 'examples_not_staged'] += 1
+            self.counts['examples_staged' if local else 'examples_not_staged'
+                        ] += batch.weight(position)
 
     def _cancel_head_copies(self):
         """With a capacity limit, the next batch to deliver does not wait for unstarted copies.
@@ -789,12 +920,15 @@ class Scheduler:
     def _dispatch(self):
         """Stage 3 for the batches in the decode window."""
         for offset, entry in enumerate(self._in_flight):
-            if offset == DECODE_WINDOW or not isinstance(entry, _Batch):
+            if offset == self._decode_window or not isinstance(entry, _Batch):
                 return
             if entry.error is None:
                 self._dispatch_batch(entry)
 
     def _dispatch_batch(self, batch):
+        if isinstance(batch, _UnitBatch):
+            self._dispatch_columns(batch)
+            return
         if self.cache is not None:
             for ready in (batch.ready_local, batch.ready_source):
                 ready[:] = [position for position in ready
@@ -807,6 +941,23 @@ class Scheduler:
             self._load(batch, (position,))
         batch.ready_source = []
         self._dispatch_local(batch)
+
+    def _dispatch_columns(self, batch):
+        """A columnar batch is one task, sent once every unit is ready."""
+        if batch.dispatched or batch.waiting:
+            return
+        units = batch.ready_local + batch.ready_source
+        batch.local[batch.ready_local] = True
+        batch.ready_local, batch.ready_source = [], []
+        for unit in units:
+            batch.status[unit] = Status.LOADING
+        batch.buffer = self._buffers.acquire(self._emit)
+        task_id = next(self._ids)
+        self._tasks[task_id] = (batch.id, tuple(units))
+        batch.outstanding += 1
+        batch.dispatched = True
+        self._emit(LoadColumns(task_id, batch.id, batch.rows,
+                               batch.local[batch.unit_of_row], batch.buffer))
 
     def _dispatch_local(self, batch):
         """Examples read locally go several per task, one task per worker.
@@ -885,11 +1036,12 @@ class Scheduler:
             self._discard(head)
         else:
             hand_over = head.buffer is not None and self._buffers.available()
+            columnar = isinstance(head, _UnitBatch)
             action = Deliver('batch', self._generation, state=head.state,
-                             examples=head.results, buffer=head.buffer,
-                             hand_over=hand_over,
+                             examples=[head.columns] if columnar else head.results,
+                             buffer=head.buffer, hand_over=hand_over,
                              cache_wants=self._cache_wants(head),
-                             measure=self._measure_next)
+                             measure=self._measure_next, columnar=columnar)
             self._emit(action)
             if action.cache_wants or action.measure:
                 outcome = 'answer'
@@ -942,15 +1094,16 @@ class Scheduler:
     def _count_load(self, batch, position, result):
         epoch = self._epoch_of(batch.access(position))
         counts = self.by_epoch[epoch]
+        weight = batch.weight(position)
         if result.read_from is ReadFrom.LOCAL:
-            self.counts['examples_from_local'] += 1
-            counts['examples_from_local'] += 1
+            self.counts['examples_from_local'] += weight
+            counts['examples_from_local'] += weight
         else:
-            self.counts['examples_from_source'] += 1
-            counts['examples_from_source'] += 1
+            self.counts['examples_from_source'] += weight
+            counts['examples_from_source'] += weight
             counts['bytes_from_source'] += result.source_bytes
         if result.read_from is ReadFrom.FALLBACK:
-            self.counts['examples_fallback'] += 1
+            self.counts['examples_fallback'] += weight
             self._known_local[self._item(int(batch.indices[position]))] = -1
         self._emit_used(batch, position)
 

@@ -41,6 +41,7 @@ class IteratorSettings:
     next_epoch_cache_examples: Optional[int] = None
     next_epoch_cache_bytes: Optional[int] = None
     recheck_sources: str = 'each_epoch'
+    columnar: Optional[bool] = None
 
     def __post_init__(self):
         for name in ('batch_size', 'n_copy_threads', 'n_copy_ahead'):
@@ -69,6 +70,16 @@ class IteratorSettings:
         elif sampler is None:
             sampler = ShuffleOrderSampler()
         object.__setattr__(self, 'order_sampler', sampler)
+        has_columns = callable(getattr(self.dataset, 'get_columns', None))
+        if self.columnar and not has_columns:
+            raise ValueError('columnar=True needs a dataset with get_columns(indices); '
+                             '{} has none'.format(type(self.dataset).__name__))
+        columnar = (has_columns and not self.next_epoch_cache
+                    if self.columnar is None else self.columnar)
+        if columnar and self.next_epoch_cache:
+            raise ValueError('the next-epoch cache does not apply to columnar '
+                             'batches; pass columnar=False to load row by row')
+        object.__setattr__(self, 'columnar', bool(columnar))
         object.__setattr__(self, 'n_processes',
                            self.n_processes or multiprocessing.cpu_count())
         object.__setattr__(self, 'n_prefetch', max(self.n_prefetch, 1))

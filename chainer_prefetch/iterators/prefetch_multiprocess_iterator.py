@@ -142,6 +142,16 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             changed during training is copied again in the next epoch) or
             ``'never'`` (checked when first copied in this run, then
             trusted: no request to shared storage in later epochs).
+        columnar (bool): Load whole batches as columns (see
+            :mod:`chainer_prefetch.columnar`): each batch is one task of a
+            loader process, which calls the dataset's ``get_columns(indices)``
+            and writes the columns into shared memory; ``next()`` returns a
+            :class:`~chainer_prefetch.columnar.ColumnarBatch` (a sequence of
+            examples; :data:`~chainer_prefetch.columnar.concat_columns` is
+            its converter).  ``None`` (default): when the dataset has
+            ``get_columns``.  ``shared_mem`` is then bytes per row; with
+            ``maxtasksperchild`` a task is a batch.  Cannot be combined with
+            the next-epoch cache.
 
     Attributes:
         settings (IteratorSettings): The options, validated; each is also
@@ -162,13 +172,14 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                  maxtasksperchild=None, *, local_dir=None, n_copy_threads=16,
                  n_copy_ahead=16, local_capacity=None,
                  eviction_policy='belady', next_epoch_cache_examples=None,
-                 next_epoch_cache_bytes=None, recheck_sources='each_epoch'):
+                 next_epoch_cache_bytes=None, recheck_sources='each_epoch',
+                 columnar=None):
         self.settings = IteratorSettings(
             dataset, batch_size, repeat, shuffle, n_processes, n_prefetch,
             shared_mem, order_sampler, dataset_timeout, maxtasksperchild,
             local_dir, n_copy_threads, n_copy_ahead, local_capacity,
             eviction_policy, next_epoch_cache_examples, next_epoch_cache_bytes,
-            recheck_sources)
+            recheck_sources, columnar)
         self._initialize()
         self.reset()
 
@@ -232,7 +243,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             staging=self._store is not None,
             limited=self._store is not None and self._store.limited,
             item_of=self._item_of, example_bytes=settings.shared_mem,
-            revalidate_each_epoch=settings.recheck_sources == 'each_epoch')
+            revalidate_each_epoch=settings.recheck_sources == 'each_epoch',
+            columnar=settings.columnar, decode_window=settings.n_processes)
         self._executor = _executor.Executor(
             settings, _scheduler.Scheduler(config, self._state, cache),
             self._store, self._files, self._located_dataset, self._stop_event)

@@ -5,29 +5,43 @@ On one generated shopping-like dataset (``testbed.parquet_dataset``),
 batch 100, for each number of loader workers:
 
 * ``ours-local``: ParquetDataset + RowGroupWindowOrderSampler +
-  PrefetchMultiprocessIterator (row groups staged as Arrow IPC files into an
-  empty local directory), Parquet files on local disk;
+  PrefetchMultiprocessIterator loading columnar batches (row groups staged
+  as Arrow IPC files into an empty local directory, each batch cut out of
+  them by one loader process and handed over as columns in shared memory),
+  Parquet files on local disk; the training loop's converter
+  (``concat_columns``) takes the columns;
 * ``ours-shared``: the same, Parquet files read through the emulated shared
   storage (``testbed.storage``, FUSE);
+* ``ours-rows``: as ``ours-local`` on the row path (``columnar=False``:
+  one example dict per row);
 * ``ours-chainer``: ParquetDataset + the same sampler + Chainer's
   MultiprocessIterator (each worker reads Parquet itself, bounded cache);
 * ``petastorm``: Petastorm's ``make_batch_reader`` (thread pool,
   row-group and row shuffling), its row-group-sized column batches cut into
   batches of 100 rows (columnar: no per-row objects);
 * ``petastorm-rows``: the same, each batch turned into 100 row dicts (the
-  examples Chainer's training loop and ours deliver);
+  examples Chainer's training loop would get from a row loader);
+* ``petastorm-shared``: ``petastorm`` through the emulated shared storage;
 * ``blog``: the blog's loader reimplemented: worker processes each cache
   ``num_cached_parquet`` files drawn at random, shuffle inside the cache and
   build whole batches of 100 rows from it (fastparquet, rows as dicts); files
-  are drawn with replacement, so rows repeat within an epoch.
+  are drawn with replacement, so rows repeat within an epoch;
+  ``blog-shared``: the same through the emulated shared storage.
+
+Every configuration runs ``--repeats`` times, interleaved (repeat 1 of
+every configuration, then repeat 2, ...), and the table shows medians;
+ratios compare with Petastorm on the same storage at the same workers.
 
 Every method reads the same six columns (all but ``tokens``: Petastorm's
 ``make_batch_reader`` fails on variable-length list columns).
 
 Each run is a fresh child process; the parent samples the memory of the
 child and all its descendants (sum of RSS and of PSS, which counts a page
-shared by several processes once) every 0.2 s and reports the peaks.  The
-page cache of the dataset is dropped before each run.
+shared by several processes once) every 0.2 s and reports the peaks, and
+the bytes in ours' local directory (``peak_local_mb``: memory too when the
+directory is on tmpfs).  The page cache of the dataset is dropped before
+each run.  ``--growth K`` adds runs of ``ours-local`` reading K times the
+rows, to show that its memory stays flat.
 
 Coverage (the blog's Tables 4 and 5) is measured by running the loaders on
 the ``id`` column for several epochs' worth of batches: the share of distinct
@@ -51,7 +65,9 @@ import os
 import queue
 import shutil
 import signal
+import statistics
 import sys
+import threading
 import time
 from typing import Dict, List
 
@@ -63,8 +79,13 @@ from chainer_prefetch_bench.testbed.processes import answer_child, exit_on_sigte
 from chainer_prefetch_bench.testbed.report import write_json
 
 BATCH_SIZE = 100
-METHODS = ('ours-local', 'ours-shared', 'ours-chainer', 'petastorm',
-           'petastorm-rows', 'blog')
+METHODS = ('ours-local', 'ours-shared', 'ours-rows', 'ours-chainer', 'petastorm',
+           'petastorm-rows', 'petastorm-shared', 'blog', 'blog-shared')
+#: What each method is compared with (same storage, same workers).
+PEERS = {'ours-local': 'petastorm', 'ours-shared': 'petastorm-shared',
+         'ours-rows': 'petastorm', 'ours-chainer': 'petastorm',
+         'petastorm-rows': 'petastorm', 'blog': 'petastorm',
+         'blog-shared': 'petastorm-shared'}
 
 
 # ---------------------------------------------------------------- the loaders
@@ -91,18 +112,28 @@ def _open_ours(config: Dict, columns: List[str]):
             dataset, BATCH_SIZE, n_processes=config['workers'],
             order_sampler=sampler)
     else:
+        # Stage a window of row groups ahead, so the next window is local
+        # when the batches reach it.
+        ahead = config.get('copy_ahead') or -(-window * int(max(
+            dataset.row_group_sizes)) // BATCH_SIZE) + 2
         iterator = PrefetchMultiprocessIterator(
             dataset, BATCH_SIZE, n_processes=config['workers'],
             order_sampler=sampler, local_dir=config['local_dir'],
-            local_capacity=(2 * window + 2) * largest)
+            local_capacity=(2 * window + 2) * largest, n_copy_ahead=ahead,
+            columnar=config['method'] != 'ours-rows')
     return iterator, dataset
 
 
 def _ours_batches(config: Dict, columns: List[str], staging: Dict):
+    from chainer_prefetch.columnar import concat_columns
     iterator, dataset = _open_ours(config, columns)
     try:
         while True:
-            yield [example['id'] for example in iterator.next()]
+            batch = iterator.next()
+            if config['method'] in ('ours-rows', 'ours-chainer'):
+                yield [example['id'] for example in batch]
+            else:  # columns, as the training loop's converter takes them
+                yield concat_columns(batch)['id']
     finally:
         staging.update(getattr(iterator, 'stats', {}))
         iterator.finalize()
@@ -319,22 +350,66 @@ def compare_backends(files: List[str], repeats: int = 3) -> List[Dict]:
 
 # ---------------------------------------------------------------- report
 
-def format_table(runs: List[Dict]) -> str:
-    """The throughput table, with ratios to Petastorm at equal workers."""
-    petastorm = {run['workers']: run['rows_per_s'] for run in runs
-                 if run['method'] == 'petastorm'}
-    lines = ['{:<14} {:>7} {:>9} {:>10} {:>11} {:>11} {:>8} {:>10} {:>9}'.format(
-        'method', 'workers', 'rows/s', 'vs pstorm', 'peak RSS MB',
-        'peak PSS MB', '1st b s', 'dup/batch', 'RG/batch')]
+MEDIAN_FIELDS = ('rows_per_s', 'peak_rss_mb', 'peak_pss_mb', 'peak_local_mb',
+                 'first_batch_s', 'row_groups_per_batch')
+
+
+def median_runs(runs: List[Dict]) -> List[Dict]:
+    """One run per (method, workers, batches): the median of each measured field.
+
+    Duplicates are summed; ``repeats`` and ``rows_per_s_all`` (every value)
+    are added.  Order: that of the first occurrences.
+    """
+    grouped = {}
     for run in runs:
-        ratio = run['rows_per_s'] / petastorm[run['workers']] if (
-            run['workers'] in petastorm) else float('nan')
-        lines.append('{:<14} {:>7} {:>9.0f} {:>9.2f}x {:>11.0f} {:>11.0f} '
-                     '{:>8.2f} {:>10} {:>9.2f}'.format(
+        key = (run['method'], run['workers'], run['rows'])
+        grouped.setdefault(key, []).append(run)
+    merged = []
+    for group in grouped.values():
+        run = dict(group[0])
+        for field in MEDIAN_FIELDS:
+            values = [r.get(field, 0.0) for r in group]
+            run[field] = statistics.median(values)
+        run['duplicates_in_batches'] = sum(r['duplicates_in_batches']
+                                           for r in group)
+        run['rows_per_s_all'] = [r['rows_per_s'] for r in group]
+        run['repeats'] = len(group)
+        merged.append(run)
+    return merged
+
+
+def format_table(runs: List[Dict]) -> str:
+    """The throughput table (medians), with ratios to Petastorm on the same storage."""
+    speed = {(run['method'], run['workers']): run['rows_per_s'] for run in runs}
+    lines = ['{:<16} {:>7} {:>9} {:>10} {:>9} {:>9} {:>9} {:>8} {:>9} {:>8}'
+             .format('method', 'workers', 'rows/s', 'vs peer', 'RSS MB',
+                     'PSS MB', 'local MB', '1st b s', 'dup/batch', 'RG/batch')]
+    for run in runs:
+        peer = PEERS.get(run['method'])
+        base = speed.get((peer, run['workers']))
+        ratio = '{:>9.2f}x'.format(run['rows_per_s'] / base) if base else (
+            '{:>10}'.format('-'))
+        lines.append('{:<16} {:>7} {:>9.0f} {} {:>9.0f} {:>9.0f} {:>9.0f} '
+                     '{:>8.2f} {:>9} {:>8.2f}'.format(
                          run['method'], run['workers'], run['rows_per_s'],
                          ratio, run['peak_rss_mb'], run['peak_pss_mb'],
-                         run['first_batch_s'], run['duplicates_in_batches'],
+                         run.get('peak_local_mb', 0), run['first_batch_s'],
+                         run['duplicates_in_batches'],
                          run['row_groups_per_batch']))
+    lines.append('"vs peer": rows/s over Petastorm\'s on the same storage at the '
+                 'same workers (petastorm for local files, petastorm-shared '
+                 'through the emulated storage)')
+    return '\n'.join(lines)
+
+
+def format_growth(runs: List[Dict]) -> str:
+    """Memory of ours as the rows read grow."""
+    lines = ['{:<12} {:>7} {:>10} {:>9} {:>9} {:>9}'.format(
+        'method', 'workers', 'rows', 'rows/s', 'PSS MB', 'local MB')]
+    for run in runs:
+        lines.append('{:<12} {:>7} {:>10} {:>9.0f} {:>9.0f} {:>9.0f}'.format(
+            run['method'], run['workers'], run['rows'], run['rows_per_s'],
+            run['peak_pss_mb'], run.get('peak_local_mb', 0)))
     return '\n'.join(lines)
 
 
@@ -365,19 +440,22 @@ def plot(report: Dict, path: str) -> None:
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    figure, (speed, memory) = plt.subplots(1, 2, figsize=(10, 4))
+    figure, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4.5))
+    medians = report.get('medians') or median_runs(report['runs'])
     for method in METHODS:
-        runs = [run for run in report['runs'] if run['method'] == method]
+        runs = [run for run in medians if run['method'] == method]
         if not runs:
             continue
+        style = '--' if method.endswith('-shared') else '-'
         workers = [run['workers'] for run in runs]
-        speed.plot(workers, [run['rows_per_s'] for run in runs], 'o-',
+        speed.plot(workers, [run['rows_per_s'] for run in runs], 'o' + style,
                    label=method)
-        memory.plot(workers, [run['peak_pss_mb'] for run in runs], 'o-',
-                    label=method)
-    speed.set(xlabel='loader workers', ylabel='rows/s (batch 100)',
-              title='Throughput')
-    memory.set(xlabel='loader workers', ylabel='peak PSS of all processes (MB)',
+        memory.plot(workers, [run['peak_pss_mb'] + _tmpfs_mb(report, run)
+                              for run in runs], 'o' + style, label=method)
+    speed.set(xlabel='loader workers', ylabel='rows/s (batch 100), median',
+              title='Throughput (dashed: emulated shared storage)')
+    memory.set(xlabel='loader workers',
+               ylabel='peak PSS of all processes (+ tmpfs) MB',
                title='Memory')
     for axes in (speed, memory):
         axes.set_xticks(sorted({run['workers'] for run in report['runs']}))
@@ -390,6 +468,11 @@ def plot(report: Dict, path: str) -> None:
     plt.close(figure)
 
 
+def _tmpfs_mb(report: Dict, run: Dict) -> float:
+    """The local directory's peak bytes when it lives in memory (tmpfs)."""
+    return run.get('peak_local_mb', 0) if report.get('local_dir_in_memory') else 0
+
+
 # ---------------------------------------------------------------- main
 
 def parse_args(argv):
@@ -400,6 +483,8 @@ def parse_args(argv):
                         help='tiny dataset, few batches, workers 1 and 2 '
                         '(under a minute)')
     parser.add_argument('--workdir', default='/tmp/bench_parquet')
+    parser.add_argument('--local-dir', default=None,
+                        help='the local directory of ours (default: WORKDIR/local)')
     parser.add_argument('--out', default='results/parquet')
     parser.add_argument('--rows', type=int, default=400000)
     parser.add_argument('--files', type=int, default=16)
@@ -407,6 +492,14 @@ def parse_args(argv):
     parser.add_argument('--image-size', type=int, default=96)
     parser.add_argument('--batches', type=int, default=1000,
                         help='timed batches of 100 per run')
+    parser.add_argument('--repeats', type=int, default=3,
+                        help='runs of every configuration (medians reported)')
+    parser.add_argument('--growth', type=int, default=10,
+                        help='also run ours-local at the most workers reading '
+                        'this many times the rows (0: not)')
+    parser.add_argument('--copy-ahead', type=int, default=0,
+                        help="ours' n_copy_ahead in batches (0: a window of "
+                        'row groups)')
     parser.add_argument('--workers', default='1,2,4')
     parser.add_argument('--methods', default=','.join(METHODS))
     parser.add_argument('--window', type=int, default=4,
@@ -430,7 +523,7 @@ def parse_args(argv):
         args.rows, args.files, args.row_group_mb = 8000, 4, 4.0
         args.image_size, args.batches, args.workers = 64, 20, '1,2'
         args.coverage_epochs, args.coverage_rows = 2, 8000
-        args.coverage_files = 40
+        args.coverage_files, args.repeats, args.growth = 40, 1, 3
     args.workers = [int(w) for w in args.workers.split(',')]
     args.methods = args.methods.split(',')
     return args
@@ -458,30 +551,44 @@ def main(argv=None) -> int:
     for row in backends:
         print('read {columns:<15} {reader:<28} {seconds:.3f} s'.format(**row))
     mountpoint = os.path.join(args.workdir, 'mnt')
-    local_dir = os.path.join(args.workdir, 'local')
+    local_dir = args.local_dir or os.path.join(args.workdir, 'local')
     os.makedirs(mountpoint, exist_ok=True)
     # Petastorm's make_batch_reader cannot return variable-length lists
     # ('tokens'): every method reads the other six columns.
     columns = [name for name in parquet_dataset.SCHEMA.names
                if name != 'tokens']
-    runs, coverage_runs = [], []
+    runs, coverage_runs, growth_runs = [], [], []
     sizes = _row_group_sizes(dataset_dir)
+
+    def config_for(method, workers, batches, source):
+        return {'method': method, 'workers': workers, 'source': source,
+                'columns': columns, 'batches': batches, 'window': args.window,
+                'num_cached_parquet': args.num_cached_parquet,
+                'local_dir': local_dir, 'seed': 0, 'row_group_sizes': sizes,
+                'copy_ahead': args.copy_ahead}
+
     with storage.mounted(dataset_dir, mountpoint, preset=args.preset):
-        for workers in args.workers:
-            for method in args.methods:
-                config = {'method': method, 'workers': workers,
-                          'source': mountpoint if method == 'ours-shared'
-                          else dataset_dir, 'columns': columns,
-                          'batches': args.batches, 'window': args.window,
-                          'num_cached_parquet': args.num_cached_parquet,
-                          'local_dir': local_dir, 'seed': 0,
-                          'row_group_sizes': sizes}
-                result = _measure(config, dataset_dir, local_dir,
-                                  args.run_timeout, petastorm_python)
-                runs.append(result)
-                print('{method:<14} workers {workers}: {rows_per_s:8.0f} rows/s, '
-                      'peak PSS {peak_pss_mb:6.0f} MB, RSS {peak_rss_mb:6.0f} MB'
-                      .format(**result), flush=True)
+        for repeat in range(args.repeats):
+            for workers in args.workers:
+                for method in args.methods:
+                    source = (mountpoint if method.endswith('-shared')
+                              else dataset_dir)
+                    result = _measure(config_for(method, workers, args.batches,
+                                                 source),
+                                      dataset_dir, local_dir, args.run_timeout,
+                                      petastorm_python)
+                    result['repeat'] = repeat
+                    runs.append(result)
+                    print('{method:<16} workers {workers}: {rows_per_s:8.0f} '
+                          'rows/s, peak PSS {peak_pss_mb:6.0f} MB, local '
+                          '{peak_local_mb:5.0f} MB'.format(**result), flush=True)
+    for factor in ((1, args.growth) if args.growth else ()):
+        result = _measure(config_for('ours-local', max(args.workers),
+                                     args.batches * factor, dataset_dir),
+                          dataset_dir, local_dir, args.run_timeout * factor)
+        growth_runs.append(result)
+        print('growth x{}: {rows} rows, peak PSS {peak_pss_mb:.0f} MB, local '
+              '{peak_local_mb:.0f} MB'.format(factor, **result), flush=True)
     coverage_dir = coverage_summary = None
     if args.coverage_epochs:
         coverage_dir = _generated(args.workdir, args.coverage_rows,
@@ -504,7 +611,10 @@ def main(argv=None) -> int:
               'coverage_dataset_summary': coverage_summary,
               'window': args.window, 'batch_size': BATCH_SIZE,
               'backends': backends, 'runs': runs,
-              'coverage_runs': coverage_runs,
+              'medians': median_runs(runs), 'repeats': args.repeats,
+              'growth_runs': growth_runs, 'coverage_runs': coverage_runs,
+              'local_dir': local_dir,
+              'local_dir_in_memory': _on_tmpfs(local_dir),
               'versions': _versions(petastorm_python)}
     _write_report(report, args.out)
     return 0
@@ -529,8 +639,49 @@ def _measure(config, dataset_dir, local_dir, timeout, petastorm_python=None):
     drop_page_cache(dataset_dir)
     python = (petastorm_python if config['method'].startswith('petastorm')
               else None)
-    return run_in_child(__spec__.name, config, timeout, python=python,
-                        sample_memory=True)
+    peak = [0]
+    done = threading.Event()
+
+    def sample():  # the local directory's bytes (memory, on a tmpfs)
+        while not done.wait(0.2):
+            peak[0] = max(peak[0], _bytes_under(local_dir))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        result = run_in_child(__spec__.name, config, timeout, python=python,
+                              sample_memory=True)
+    finally:
+        done.set()
+        sampler.join()
+    result['peak_local_mb'] = round(peak[0] / 2**20, 1)
+    shutil.rmtree(local_dir, ignore_errors=True)
+    return result
+
+
+def _on_tmpfs(directory: str) -> bool:
+    """Whether ``directory`` (or the folder it will be made in) is a tmpfs."""
+    path = os.path.abspath(directory)
+    best, kind = '', ''
+    with open('/proc/mounts') as mounts:
+        for line in mounts:
+            fields = line.split()
+            point = fields[1]
+            if (path == point or path.startswith(point.rstrip('/') + '/')) \
+                    and len(point) > len(best):
+                best, kind = point, fields[2]
+    return kind == 'tmpfs'
+
+
+def _bytes_under(directory: str) -> int:
+    total = 0
+    for folder, _, names in os.walk(directory):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
 
 
 def _row_group_sizes(dataset_dir: str) -> List[int]:
@@ -564,7 +715,11 @@ def _versions(petastorm_python) -> Dict[str, str]:
 
 def _write_report(report: Dict, out: str) -> None:
     os.makedirs(out, exist_ok=True)
-    table = format_table(report['runs'])
+    table = 'Medians of {} runs:\n{}'.format(report['repeats'],
+                                             format_table(report['medians']))
+    if report.get('growth_runs'):
+        table += '\n\nMemory as the rows read grow:\n' + format_growth(
+            report['growth_runs'])
     coverage = (format_coverage(report['coverage_runs'])
                 if report['coverage_runs'] else 'no coverage runs')
     backends = '\n'.join('{columns:<15} {reader:<28} {seconds:8.3f} s'.format(

@@ -1,0 +1,405 @@
+"""Batches held as columns: what a columnar dataset returns and the iterator delivers.
+
+A dataset opts in to columnar loading with one method,
+``get_columns(indices) -> ColumnarBatch``: the rows ``indices``, in that
+order, as whole columns.  :class:`~chainer_prefetch.PrefetchMultiprocessIterator`
+then hands each loader process a whole batch at once, and the columns come
+back through shared memory as arrays (no per-row Python objects, no
+pickling); ``next()`` returns a :class:`ColumnarBatch`.
+
+A :class:`ColumnarBatch` is a sequence of examples, so everything that takes
+a list of examples takes it (``len(batch)``, ``batch[i]``, iteration, and
+Chainer's ``concat_examples`` converter, which then gathers row by row).
+:data:`concat_columns` is the converter that uses the columns directly: it
+returns the same structure as ``concat_examples`` (a dict, a tuple or one
+array) without touching rows.
+
+Columns are:
+
+* ``numpy.ndarray``: one entry per row along the first axis (numbers,
+  booleans, fixed-shape arrays, or ``object`` for anything else);
+* :class:`VarColumn`: variable-length values (``bytes``, ``str`` or 1-D
+  arrays such as token lists) as Arrow lays them out: an ``offsets`` array
+  (``int64``, one more than the rows) and a ``values`` array.
+"""
+import collections.abc
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy
+from chainer.dataset import Converter, concat_examples, to_device
+
+#: Forms of the examples a batch holds: dicts, tuples or single values.
+FORMS = ('dict', 'tuple', 'single')
+
+_KINDS = ('bytes', 'str', 'list')
+
+
+class VarColumn:
+    """A column of variable-length values as ``offsets`` and ``values``.
+
+    Row ``i`` is ``values[offsets[i]:offsets[i + 1]]``: ``bytes`` (kind
+    ``'bytes'``), ``str`` decoded from UTF-8 (``'str'``) or a 1-D array
+    (``'list'``).
+
+    Args:
+        offsets: ``int64`` array of ``len + 1`` non-decreasing positions.
+        values: 1-D array (``uint8`` for bytes and strings).
+        kind: ``'bytes'``, ``'str'`` or ``'list'``.
+
+    Raises:
+        ValueError: ``kind`` is unknown or the arrays do not fit together.
+    """
+
+    __slots__ = ('offsets', 'values', 'kind')
+
+    def __init__(self, offsets: numpy.ndarray, values: numpy.ndarray,
+                 kind: str):
+        if kind not in _KINDS:
+            raise ValueError('kind must be one of {}, got {!r}'.format(
+                ', '.join(_KINDS), kind))
+        offsets = numpy.asarray(offsets)
+        if offsets.ndim != 1 or len(offsets) == 0 or offsets.dtype != numpy.int64:
+            raise ValueError('offsets must be a non-empty 1-D int64 array')
+        if values.ndim != 1:
+            raise ValueError('values must be a 1-D array')
+        self.offsets = offsets
+        self.values = values
+        self.kind = kind
+
+    @classmethod
+    def from_values(cls, items: Sequence[Any], kind: str,
+                    dtype=None) -> 'VarColumn':
+        """A column of Python values (``bytes``, ``str`` or 1-D arrays).
+
+        Args:
+            items: The values, one per row.
+            kind: What they are (see the class).
+            dtype: Element type of ``'list'`` values (default: the first's).
+        """
+        if kind == 'str':
+            items = [item.encode('utf-8') for item in items]
+        if kind == 'list':
+            arrays = [numpy.asarray(item, dtype=dtype) for item in items]
+            dtype = arrays[0].dtype if arrays and dtype is None else dtype
+            values = (numpy.concatenate(arrays).astype(dtype, copy=False)
+                      if arrays else numpy.zeros(0, dtype or numpy.float32))
+            lengths = [len(array) for array in arrays]
+        else:
+            values = numpy.frombuffer(b''.join(items), numpy.uint8)
+            lengths = [len(item) for item in items]
+        offsets = numpy.zeros(len(lengths) + 1, numpy.int64)
+        numpy.cumsum(lengths, out=offsets[1:])
+        return cls(offsets, values, kind)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, row):
+        if isinstance(row, (int, numpy.integer)):
+            size = len(self)
+            if row < 0:
+                row += size
+            if not 0 <= row < size:
+                raise IndexError('row {} out of range for {} rows'.format(
+                    row, size))
+            value = self.values[self.offsets[row]:self.offsets[row + 1]]
+            if self.kind == 'list':
+                return value
+            value = value.tobytes()
+            return value.decode('utf-8') if self.kind == 'str' else value
+        return self.take(numpy.arange(len(self))[row])
+
+    def __iter__(self):
+        return (self[row] for row in range(len(self)))
+
+    def __repr__(self):
+        return 'VarColumn({} rows of {}, {} values)'.format(
+            len(self), self.kind, len(self.values))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the two arrays."""
+        return self.offsets.nbytes + self.values.nbytes
+
+    def lengths(self) -> numpy.ndarray:
+        """The length of every row (in values)."""
+        return numpy.diff(self.offsets)
+
+    def take(self, rows: Sequence[int]) -> 'VarColumn':
+        """The rows ``rows``, in that order, as a new compact column."""
+        rows = numpy.asarray(rows, dtype=numpy.int64)
+        starts = self.offsets[rows]
+        lengths = self.offsets[rows + 1] - starts
+        offsets = numpy.zeros(len(rows) + 1, numpy.int64)
+        numpy.cumsum(lengths, out=offsets[1:])
+        # Gather every value position at once: the start of its row plus its
+        # place within the row.
+        within = numpy.arange(offsets[-1]) - numpy.repeat(offsets[:-1], lengths)
+        values = self.values[numpy.repeat(starts, lengths) + within]
+        return VarColumn(offsets, values, self.kind)
+
+    def tolist(self) -> List[Any]:
+        """The rows as Python values (``bytes``, ``str`` or arrays)."""
+        return list(self)
+
+    def to_arrow(self):
+        """The column as a PyArrow array, without copying.
+
+        Returns:
+            ``large_binary``, ``large_string`` or ``large_list`` array.
+        """
+        import pyarrow
+        offsets = pyarrow.py_buffer(self.offsets)
+        values = pyarrow.py_buffer(self.values)
+        if self.kind == 'list':
+            element = pyarrow.from_numpy_dtype(self.values.dtype)
+            inner = pyarrow.Array.from_buffers(element, len(self.values),
+                                               [None, values])
+            return pyarrow.LargeListArray.from_arrays(
+                pyarrow.Array.from_buffers(pyarrow.int64(), len(self.offsets),
+                                           [None, offsets]), inner)
+        kind = (pyarrow.large_string() if self.kind == 'str'
+                else pyarrow.large_binary())
+        return pyarrow.Array.from_buffers(kind, len(self), [None, offsets, values])
+
+
+Column = Union[numpy.ndarray, VarColumn]
+
+
+class ColumnarBatch(collections.abc.Sequence):
+    """Rows of a batch held as columns; a sequence of examples.
+
+    ``batch[i]`` is row ``i`` as an example of ``form``: a dict of the
+    columns (``'dict'``), a tuple in column order (``'tuple'``) or the one
+    column's value (``'single'``).  Values of columns named in
+    ``python_scalars`` come as Python numbers (``int``, ``float``,
+    ``bool``), as a row-by-row Parquet read gives them; other array columns
+    give NumPy scalars or arrays (``column[i]``).
+
+    Args:
+        columns: Column name to column, in order; every column has the same
+            number of rows.
+        form: ``'dict'``, ``'tuple'`` or ``'single'``.
+        python_scalars: Names of the columns whose numbers are Python scalars.
+
+    Raises:
+        ValueError: columns of different lengths, an unknown form, or
+            ``'single'`` with more than one column.
+    """
+
+    def __init__(self, columns: Mapping[str, Column], form: str = 'dict',
+                 python_scalars: Iterable[str] = ()):
+        if form not in FORMS:
+            raise ValueError('form must be one of {}, got {!r}'.format(
+                ', '.join(FORMS), form))
+        self.columns: Dict[str, Column] = dict(columns)
+        if form == 'single' and len(self.columns) != 1:
+            raise ValueError('a batch of single values has one column, not '
+                             '{}'.format(len(self.columns)))
+        lengths = {name: len(column) for name, column in self.columns.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError('columns of different lengths: {}'.format(lengths))
+        self._length = next(iter(lengths.values()), 0)
+        self.form = form
+        self.python_scalars = frozenset(python_scalars) & set(self.columns)
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        """The column names, in order."""
+        return tuple(self.columns)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the columns' arrays (``object`` columns count their pointers only)."""
+        return sum(column.nbytes for column in self.columns.values())
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, row):
+        if not isinstance(row, (int, numpy.integer)):
+            return self.take(numpy.arange(self._length)[row])
+        if row < 0:
+            row += self._length
+        if not 0 <= row < self._length:
+            raise IndexError('row {} out of range for {} rows'.format(
+                row, self._length))
+        values = [self._value(name, column, row)
+                  for name, column in self.columns.items()]
+        if self.form == 'dict':
+            return dict(zip(self.columns, values))
+        if self.form == 'tuple':
+            return tuple(values)
+        return values[0]
+
+    def __repr__(self):
+        return 'ColumnarBatch({} rows; {})'.format(self._length, ', '.join(
+            '{}: {}'.format(name, _describe(column))
+            for name, column in self.columns.items()))
+
+    def _value(self, name, column, row):
+        value = column[row]
+        if name in self.python_scalars and isinstance(value, numpy.generic):
+            return value.item()
+        return value
+
+    def take(self, rows: Sequence[int]) -> 'ColumnarBatch':
+        """The rows ``rows``, in that order, as a new batch."""
+        rows = numpy.asarray(rows, dtype=numpy.int64)
+        return ColumnarBatch({name: column.take(rows) if isinstance(
+            column, VarColumn) else column[rows]
+            for name, column in self.columns.items()},
+            self.form, self.python_scalars)
+
+    def with_columns(self, columns: Mapping[str, Column],
+                     form: Optional[str] = None) -> 'ColumnarBatch':
+        """A batch of other columns, keeping ``python_scalars`` of the names kept."""
+        return ColumnarBatch(columns, form or self.form, self.python_scalars)
+
+    def arrays(self, device=None):
+        """The columns in the structure ``concat_examples`` returns.
+
+        Array columns are sent to ``device``; :class:`VarColumn` and
+        ``object`` columns stay on the host as they are.
+
+        Args:
+            device: A Chainer device specifier, or ``None`` to keep the arrays
+                where they are.
+
+        Returns:
+            A dict (form ``'dict'``), a tuple (``'tuple'``) or one column.
+        """
+        sent = [column if isinstance(column, VarColumn) or
+                column.dtype == object else to_device(device, column)
+                for column in self.columns.values()]
+        if self.form == 'dict':
+            return dict(zip(self.columns, sent))
+        if self.form == 'tuple':
+            return tuple(sent)
+        return sent[0]
+
+    @classmethod
+    def from_examples(cls, examples: Sequence[Any]) -> 'ColumnarBatch':
+        """Examples (dicts, tuples or single values, all of one form) as columns.
+
+        Each field becomes an array column when its values are numbers or
+        arrays of one shape and type, a :class:`VarColumn` when they are all
+        ``bytes``, all ``str`` or 1-D arrays of one type and varying
+        length, and an ``object`` column otherwise.
+
+        Raises:
+            ValueError: examples of different forms or fields.
+        """
+        if len(examples) == 0:
+            raise ValueError('no examples to make a batch of')
+        first = examples[0]
+        if type(first) is dict:
+            form, names = 'dict', list(first)
+            if any(type(example) is not dict or example.keys() != first.keys()
+                   for example in examples):
+                raise ValueError('examples of a batch must be dicts with the '
+                                 'same keys')
+            fields = [[example[name] for example in examples] for name in names]
+        elif type(first) is tuple:
+            form, names = 'tuple', [str(i) for i in range(len(first))]
+            if any(type(example) is not tuple or len(example) != len(first)
+                   for example in examples):
+                raise ValueError('examples of a batch must be tuples of one '
+                                 'length')
+            fields = [list(values) for values in zip(*examples)]
+        else:
+            form, names, fields = 'single', ['0'], [list(examples)]
+        return cls({name: column_of_values(values)
+                    for name, values in zip(names, fields)}, form)
+
+    @classmethod
+    def concatenate(cls, batches: Sequence['ColumnarBatch']) -> 'ColumnarBatch':
+        """Batches of the same columns, one after the other.
+
+        Raises:
+            ValueError: the batches have different columns or forms.
+        """
+        first = batches[0]
+        for batch in batches[1:]:
+            if batch.names != first.names or batch.form != first.form:
+                raise ValueError('cannot join batches of columns {} and {}'
+                                 .format(first.names, batch.names))
+        if len(batches) == 1:
+            return first
+        columns = {}
+        for name in first.names:
+            parts = [batch.columns[name] for batch in batches]
+            columns[name] = (_concatenate_var(parts) if isinstance(
+                parts[0], VarColumn) else numpy.concatenate(parts))
+        return cls(columns, first.form, first.python_scalars)
+
+
+def column_of_values(values: List[Any]) -> Column:
+    """One column from its values (see :meth:`ColumnarBatch.from_examples`)."""
+    first = values[0]
+    if all(type(value) is bytes for value in values):
+        return VarColumn.from_values(values, 'bytes')
+    if all(type(value) is str for value in values):
+        return VarColumn.from_values(values, 'str')
+    if isinstance(first, numpy.ndarray):
+        if all(isinstance(value, numpy.ndarray) and value.shape == first.shape
+               and value.dtype == first.dtype for value in values):
+            if first.dtype != object:
+                return numpy.stack(values)
+        elif all(isinstance(value, numpy.ndarray) and value.ndim == 1
+                 and value.dtype == first.dtype != object for value in values):
+            return VarColumn.from_values(values, 'list', first.dtype)
+    elif isinstance(first, (bool, int, float, numpy.number, numpy.bool_)):
+        array = numpy.asarray(values)
+        if array.dtype != object and array.ndim == 1:
+            return array
+    column = numpy.empty(len(values), dtype=object)
+    column[:] = values
+    return column
+
+
+def _concatenate_var(parts: Sequence[VarColumn]) -> VarColumn:
+    offsets = [parts[0].offsets]
+    end = parts[0].offsets[-1]
+    for part in parts[1:]:
+        offsets.append(part.offsets[1:] - part.offsets[0] + end)
+        end = offsets[-1][-1] if len(offsets[-1]) else end
+    values = numpy.concatenate([part.values[part.offsets[0]:part.offsets[-1]]
+                                for part in parts])
+    joined = numpy.concatenate(offsets)
+    return VarColumn(joined - joined[0], values, parts[0].kind)
+
+
+def _describe(column: Column) -> str:
+    if isinstance(column, VarColumn):
+        return column.kind
+    return '{}{}'.format(column.dtype, list(column.shape[1:]) or '')
+
+
+class ColumnConverter(Converter):
+    """Chainer converter for batches from columnar datasets (and any other).
+
+    A :class:`ColumnarBatch` becomes the structure Chainer's
+    ``concat_examples`` makes of its rows (a dict, a tuple or one array),
+    taken straight from its columns: array columns are sent to the device,
+    :class:`VarColumn` and ``object`` columns stay on the host (decode them
+    in the dataset's transform, or in the model).  Any other batch goes to
+    ``concat_examples``.  Use it as the updater's and evaluator's
+    ``converter``; it pickles, so it also works with ``forkserver``.
+
+    Args:
+        padding: Passed to ``concat_examples`` for other batches (a
+            columnar batch has fixed shapes already).
+    """
+
+    def __init__(self, padding=None):
+        self.padding = padding
+
+    def __call__(self, batch, device=None):
+        if isinstance(batch, ColumnarBatch):
+            return batch.arrays(device)
+        return concat_examples(batch, device, self.padding)
+
+
+#: The converter for columnar batches (see :class:`ColumnConverter`).
+concat_columns = ColumnConverter()

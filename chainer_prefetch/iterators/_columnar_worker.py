@@ -1,0 +1,213 @@
+"""Columnar batches in the loader processes, and their shared-memory format.
+
+A dataset with ``get_columns(indices)`` (see :mod:`chainer_prefetch.columnar`)
+loads a whole batch in one call.  :func:`load_columns` is the task a loader
+process runs for it: it reads the rows whose items are staged through the
+located view and the others from the source (the same split and the same
+fallback as :func:`._worker.load_examples`), then writes every column into
+the batch's shared buffer, one after the other at aligned offsets:
+
+* an array column as its bytes (:class:`PackedArray`);
+* a :class:`~chainer_prefetch.columnar.VarColumn` as its offsets, then its
+  values (:class:`PackedVar`);
+* an ``object`` column is not written: it travels by pickling.
+
+The answer is the batch with :class:`PackedArray`/:class:`PackedVar` in
+place of the columns written, so only a few small objects are pickled.
+When the columns do not fit the buffer, nothing is written: the batch is
+pickled, and the answer says how many bytes per row it needed, so later
+buffers are made larger.
+"""
+import traceback
+
+import numpy
+
+from chainer_prefetch.columnar import ColumnarBatch, VarColumn
+from chainer_prefetch.iterators import _worker
+from chainer_prefetch.staging.sources import as_source
+
+_ALIGN = 64
+
+
+class PackedArray:
+    """An array column written into a shared buffer at ``offset``."""
+
+    __slots__ = ('dtype', 'shape', 'offset')
+
+    def __init__(self, dtype, shape, offset):
+        self.dtype = dtype
+        self.shape = shape
+        self.offset = offset
+
+    def __reduce__(self):
+        return PackedArray, (self.dtype, self.shape, self.offset)
+
+    def __len__(self):
+        return self.shape[0]
+
+    def unpack(self, memory: numpy.ndarray, copy: bool) -> numpy.ndarray:
+        size = int(numpy.prod(self.shape, dtype=numpy.int64)) * self.dtype.itemsize
+        array = memory[self.offset:self.offset + size].view(
+            self.dtype).reshape(self.shape)
+        return array.copy() if copy else array
+
+
+class PackedVar:
+    """A :class:`VarColumn` written into a shared buffer."""
+
+    __slots__ = ('offsets', 'values', 'kind')
+
+    def __init__(self, offsets: PackedArray, values: PackedArray, kind: str):
+        self.offsets = offsets
+        self.values = values
+        self.kind = kind
+
+    def __reduce__(self):
+        return PackedVar, (self.offsets, self.values, self.kind)
+
+    def __len__(self):
+        return len(self.offsets) - 1
+
+    def unpack(self, memory: numpy.ndarray, copy: bool) -> VarColumn:
+        return VarColumn(self.offsets.unpack(memory, copy),
+                         self.values.unpack(memory, copy), self.kind)
+
+
+def _arrays_of(column):
+    if isinstance(column, VarColumn):
+        return [column.offsets, column.values]
+    if column.dtype.hasobject:
+        return []
+    return [column]
+
+
+def packed_bytes(batch: ColumnarBatch) -> int:
+    """Bytes a shared buffer needs to hold the columns of ``batch``."""
+    return sum(-(-array.nbytes // _ALIGN) * _ALIGN + _ALIGN
+               for column in batch.columns.values()
+               for array in _arrays_of(column))
+
+
+def pack_columns(batch: ColumnarBatch, buffer: numpy.ndarray):
+    """Writes the columns of ``batch`` into ``buffer`` (one copy each).
+
+    Returns:
+        ``(packed batch, unfit_bytes)``: the batch with its columns replaced
+        by :class:`PackedArray`/:class:`PackedVar`, and 0; or, when they do
+        not fit, the batch itself and the bytes per row it needs.
+    """
+    needed = packed_bytes(batch)
+    if needed > len(buffer):
+        return batch, -(-needed // max(1, len(batch)))
+    offset = 0
+
+    def put(array):
+        nonlocal offset
+        start = -(-offset // _ALIGN) * _ALIGN
+        target = buffer[start:start + array.nbytes].view(array.dtype)
+        numpy.copyto(target.reshape(array.shape), array)
+        offset = start + array.nbytes
+        return PackedArray(array.dtype, array.shape, start)
+
+    columns = {}
+    for name, column in batch.columns.items():
+        if isinstance(column, VarColumn):
+            columns[name] = PackedVar(put(column.offsets), put(column.values),
+                                      column.kind)
+        elif column.dtype.hasobject:
+            columns[name] = column
+        else:
+            columns[name] = put(numpy.ascontiguousarray(column))
+    return batch.with_columns(columns), 0
+
+
+def unpack_columns(packed: ColumnarBatch, memory, copy: bool = False
+                   ) -> ColumnarBatch:
+    """The batch with its packed columns read from ``memory`` (views, or copies)."""
+    if memory is None:
+        return packed
+    return packed.with_columns({
+        name: column.unpack(memory, copy)
+        if isinstance(column, (PackedArray, PackedVar)) else column
+        for name, column in packed.columns.items()})
+
+
+def _read(indices: numpy.ndarray, local: numpy.ndarray):
+    """The batch's columns and where the local rows came from."""
+    if not local.any():
+        return _worker._original_dataset.get_columns(indices), _worker.SOURCE
+    read_from = _worker.LOCAL
+    if local.all():
+        try:
+            return _worker._located_dataset.get_columns(indices), read_from
+        except OSError as error:
+            if not _worker._about_local_file(error):
+                raise
+            return (_worker._original_dataset.get_columns(indices),
+                    _worker.FALLBACK)
+    positions = numpy.flatnonzero(local)
+    others = numpy.flatnonzero(~local)
+    try:
+        located = _worker._located_dataset.get_columns(indices[positions])
+    except OSError as error:
+        if not _worker._about_local_file(error):
+            raise
+        read_from = _worker.FALLBACK
+        return _worker._original_dataset.get_columns(indices), read_from
+    original = _worker._original_dataset.get_columns(indices[others])
+    joined = ColumnarBatch.concatenate([located, original])
+    order = numpy.empty(len(indices), dtype=numpy.int64)
+    order[numpy.concatenate([positions, others])] = numpy.arange(len(indices))
+    return joined.take(order), read_from
+
+
+def _source_bytes(indices: numpy.ndarray) -> int:
+    """Bytes of shared storage that reading rows ``indices`` cost (an estimate).
+
+    Rows of one row group share its files: each file is looked at once.
+    """
+    if _worker._dataset_files is None:
+        return 0
+    per_file = {}
+    total = 0
+    for index in indices:
+        for named in _worker._dataset_files.files(int(index)):
+            if named not in per_file:
+                source = as_source(named)
+                try:
+                    per_file[named] = source.source_bytes_per_example(
+                        source.stat_origin())
+                except OSError:
+                    per_file[named] = 0
+            total += per_file[named]
+    return total
+
+
+def load_columns(indices: numpy.ndarray, local: numpy.ndarray, buffer_key):
+    """Loads one batch as columns; the answer of one ``LoadColumns`` task.
+
+    Args:
+        indices: The batch's rows, in order.
+        local: For each row, whether to read it through the located view.
+        buffer_key: Key of the batch's shared buffer, or ``None`` to pickle.
+
+    Returns:
+        ``(read_from, batch, source_bytes, unfit_bytes)``, or, if loading
+        failed, ``(None, exception, traceback_text, index)`` where ``index``
+        is the failing example's index when the dataset named it (else the
+        batch's first).
+    """
+    try:
+        batch, read_from = _read(indices, local)
+        if not isinstance(batch, ColumnarBatch) or len(batch) != len(indices):
+            raise TypeError('get_columns must return a ColumnarBatch of {} rows, '
+                            'got {!r}'.format(len(indices), batch))
+    except Exception as error:
+        index = getattr(error, 'index', None)
+        return (None, _worker._picklable(error), traceback.format_exc(),
+                int(indices[0]) if index is None else index)
+    source_bytes = _source_bytes(indices[~local])
+    unfit = 0
+    if buffer_key is not None:
+        batch, unfit = pack_columns(batch, _worker._buffer(buffer_key))
+    return read_from, batch, source_bytes, unfit

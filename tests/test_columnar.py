@@ -1,0 +1,141 @@
+"""Columnar batches on their own: columns, rows, the converter, the shared-memory format."""
+import pickle
+
+import chainer
+import numpy as np
+import pyarrow
+import pytest
+
+from chainer_prefetch.columnar import (
+    ColumnarBatch,
+    ColumnConverter,
+    VarColumn,
+    column_of_values,
+    concat_columns,
+)
+from chainer_prefetch.iterators import _columnar_worker
+
+
+def _batch():
+    return ColumnarBatch({
+        'id': np.arange(5, dtype=np.int64),
+        'x': np.arange(10, dtype=np.float32).reshape(5, 2),
+        'title': VarColumn.from_values(['a', 'bc', '', 'déf', 'g'], 'str'),
+        'image': VarColumn.from_values([b'\x00\x01', b'', b'xyz', b'\xff', b'q'],
+                                       'bytes'),
+        'tokens': VarColumn.from_values([np.arange(n, dtype=np.int32)
+                                         for n in (3, 0, 1, 2, 5)], 'list'),
+    }, 'dict', python_scalars=['id'])
+
+
+def test_rows_are_examples_of_the_columns():
+    batch = _batch()
+    assert len(batch) == 5
+    row = batch[3]
+    assert row['id'] == 3 and type(row['id']) is int
+    np.testing.assert_array_equal(row['x'], [6, 7])
+    assert row['title'] == 'déf' and row['image'] == b'\xff'
+    np.testing.assert_array_equal(row['tokens'], [0, 1])
+    assert row['tokens'].dtype == np.int32
+    assert [example['id'] for example in batch] == [0, 1, 2, 3, 4]
+    assert batch[-1]['title'] == 'g'
+    with pytest.raises(IndexError, match='5 rows'):
+        batch[5]
+
+
+def test_take_slices_and_concatenate_keep_rows():
+    batch = _batch()
+    taken = batch.take([4, 0, 4])
+    assert [row['title'] for row in taken] == ['g', 'a', 'g']
+    assert [row['image'] for row in batch[1:3]] == [b'', b'xyz']
+    joined = ColumnarBatch.concatenate([batch[3:], batch[:2]])
+    assert [row['id'] for row in joined] == [3, 4, 0, 1]
+    assert [list(row['tokens']) for row in joined] == [[0, 1], [0, 1, 2, 3, 4],
+                                                       [0, 1, 2], []]
+    with pytest.raises(ValueError, match='cannot join'):
+        ColumnarBatch.concatenate([batch, batch.with_columns(
+            {'id': batch.columns['id']})])
+
+
+def test_var_columns_match_arrow_both_ways():
+    batch = _batch()
+    assert batch.columns['title'].to_arrow().to_pylist() == \
+        ['a', 'bc', '', 'déf', 'g']
+    assert batch.columns['image'].to_arrow().to_pylist() == \
+        [b'\x00\x01', b'', b'xyz', b'\xff', b'q']
+    tokens = batch.columns['tokens'].to_arrow()
+    assert tokens.type == pyarrow.large_list(pyarrow.int32())
+    assert tokens.to_pylist()[4] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match='kind'):
+        VarColumn(np.zeros(1, np.int64), np.zeros(0, np.uint8), 'text')
+
+
+def test_examples_become_columns():
+    examples = [(np.full((2, 2), i, np.float32), i, 'w{}'.format(i),
+                 np.arange(i, dtype=np.int64), {'odd': i})
+                for i in range(4)]
+    batch = ColumnarBatch.from_examples(examples)
+    assert batch.form == 'tuple'
+    image, label, word, ragged, other = batch.columns.values()
+    assert image.shape == (4, 2, 2) and image.dtype == np.float32
+    assert label.dtype == np.int64
+    assert isinstance(word, VarColumn) and word.kind == 'str'
+    assert isinstance(ragged, VarColumn) and ragged.kind == 'list'
+    assert other.dtype == object
+    for i, row in enumerate(batch):
+        np.testing.assert_array_equal(row[0], examples[i][0])
+        assert row[1] == i and row[2] == 'w{}'.format(i) and row[4] == {'odd': i}
+    single = ColumnarBatch.from_examples([np.zeros(3), np.ones(3)])
+    assert single.form == 'single' and single[1].tolist() == [1, 1, 1]
+    with pytest.raises(ValueError, match='same keys'):
+        ColumnarBatch.from_examples([{'a': 1}, {'b': 1}])
+    mixed = column_of_values([np.zeros(2), np.zeros(3, np.float32)])
+    assert mixed.dtype == object  # ragged of two types: kept as objects
+
+
+def test_the_converter_gives_what_concat_examples_gives():
+    batch = ColumnarBatch({'x': np.arange(6, dtype=np.float32).reshape(3, 2),
+                           'label': np.array([1, 0, 2], np.int32)}, 'dict')
+    expected = chainer.dataset.concat_examples(list(batch))
+    got = concat_columns(batch)
+    assert sorted(got) == sorted(expected)
+    for key in expected:
+        np.testing.assert_array_equal(got[key], expected[key])
+        assert got[key].dtype == expected[key].dtype
+    as_tuple = ColumnarBatch({'0': batch.columns['x'], '1': batch.columns['label']},
+                             'tuple')
+    x, label = concat_columns(as_tuple, None)
+    np.testing.assert_array_equal(label, [1, 0, 2])
+    # Any other batch goes to concat_examples, with padding.
+    padded = ColumnConverter(padding=-1)([np.arange(2), np.arange(3)])
+    np.testing.assert_array_equal(padded, [[0, 1, -1], [0, 1, 2]])
+    assert isinstance(pickle.loads(pickle.dumps(concat_columns)), ColumnConverter)
+
+
+def test_columns_cross_a_shared_buffer_and_come_back_equal():
+    batch = _batch()
+    objects = np.empty(5, dtype=object)
+    objects[:] = [{'k': i} for i in range(5)]
+    batch = batch.with_columns(dict(batch.columns, extra=objects))
+    memory = np.zeros(_columnar_worker.packed_bytes(batch), np.uint8)
+    packed, unfit = _columnar_worker.pack_columns(batch, memory)
+    assert unfit == 0
+    packed = pickle.loads(pickle.dumps(packed))  # what crosses the pipe
+    assert pickle.dumps(packed).__len__() < 2000  # a few small objects
+    for copy in (False, True):
+        back = _columnar_worker.unpack_columns(packed, memory, copy=copy)
+        for row, expected in zip(back, batch):
+            for key in expected:
+                np.testing.assert_array_equal(np.asarray(row[key], dtype=object),
+                                              np.asarray(expected[key], dtype=object))
+        shares = np.shares_memory(back.columns['x'], memory)
+        assert shares != copy
+
+
+def test_columns_that_do_not_fit_are_left_to_pickling():
+    batch = _batch()
+    small = np.zeros(64, np.uint8)
+    packed, unfit = _columnar_worker.pack_columns(batch, small)
+    assert packed is batch
+    assert unfit * len(batch) >= _columnar_worker.packed_bytes(batch)
+    assert not small.any()  # nothing written

@@ -1,0 +1,104 @@
+"""Hive/Spark partition columns (``key=value`` directories) as typed columns."""
+import os
+
+import numpy as np
+import pyarrow
+import pyarrow.parquet
+import pytest
+
+from chainer_prefetch.columnar import VarColumn
+from chainer_prefetch.datasets import ParquetDataset, ParquetSchemaError
+
+
+def _write(root, relative, ids, extra=None):
+    columns = {'id': pyarrow.array(ids, pyarrow.int64()),
+               'value': pyarrow.array([float(i) / 2 for i in ids],
+                                      pyarrow.float32())}
+    columns.update(extra or {})
+    path = os.path.join(str(root), relative)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pyarrow.parquet.write_table(pyarrow.table(columns), path, row_group_size=2)
+    return path
+
+
+@pytest.fixture
+def table(tmp_path):
+    root = tmp_path / 'table'
+    _write(root, 'year=2020/country=KR/part-0.parquet', [0, 1, 2])
+    _write(root, 'year=2020/country=US%2FCA/part-0.parquet', [3, 4])
+    _write(root, 'year=2021/country=KR/part-0.parquet', [5, 6, 7])
+    _write(root, 'year=2021/country=__HIVE_DEFAULT_PARTITION__/part-0.parquet',
+           [8])
+    (root / '_SUCCESS').write_bytes(b'')
+    return str(root)
+
+
+def test_partition_keys_become_typed_columns(table):
+    dataset = ParquetDataset(table)
+    assert dataset.columns == ('id', 'value', 'year', 'country')
+    assert dataset.column_types['year'] == pyarrow.int64()
+    assert dataset.column_types['country'] == pyarrow.string()
+    by_id = {dataset[i]['id']: dataset[i] for i in range(len(dataset))}
+    assert by_id[0]['year'] == 2020 and by_id[0]['country'] == 'KR'
+    assert by_id[4]['country'] == 'US/CA'  # Hive's %XX escape
+    assert by_id[6]['year'] == 2021
+    assert by_id[8]['country'] is None  # Hive's null partition
+    assert type(by_id[6]['year']) is int
+
+
+def test_partition_columns_in_batches_and_selections(table):
+    dataset = ParquetDataset(table, columns=['year', 'id'], as_tuple=True)
+    batch = dataset.get_columns(np.arange(len(dataset))[::-1])
+    years = batch.columns['year']
+    assert isinstance(years, np.ndarray) and years.dtype == np.int64
+    for row, index in zip(batch, range(len(dataset) - 1, -1, -1)):
+        assert row == dataset[index]
+    countries = ParquetDataset(table, columns=['country']).get_columns([0, 3, 8])
+    column = countries.columns['country']
+    assert not isinstance(column, VarColumn)  # a null: kept as objects
+    assert [row['country'] for row in countries] == ['KR', 'US/CA', None]
+    plain = ParquetDataset(table, columns=['country']).get_columns([0, 3])
+    assert isinstance(plain.columns['country'], VarColumn)
+    assert ParquetDataset(table, partitioning=None).columns == ('id', 'value')
+
+
+def test_types_can_be_given_and_a_bad_value_is_named(table):
+    dataset = ParquetDataset(table, partition_types={'year': pyarrow.int16()})
+    assert dataset.column_types['year'] == pyarrow.int16()
+    assert dataset[0]['year'] in (2020, 2021)
+    with pytest.raises(ParquetSchemaError, match="country='KR'.*is not a int64"):
+        ParquetDataset(table, partition_types={'country': pyarrow.int64()})
+    with pytest.raises(ParquetSchemaError, match='types given for month'):
+        ParquetDataset(table, partition_types={'month': pyarrow.int8()})
+    floats = os.path.join(os.path.dirname(table), 'floats')
+    _write(floats, 'score=0.5/part-0.parquet', [0])
+    _write(floats, 'score=2/part-0.parquet', [1])
+    assert ParquetDataset(floats).column_types['score'] == pyarrow.float64()
+
+
+def test_schema_drift_across_partitions_names_both_files(table):
+    drifted = _write(table, 'year=2022/country=KR/part-0.parquet', [9],
+                     extra={'colour': pyarrow.array(['red'])})
+    with pytest.raises(ParquetSchemaError) as raised:
+        ParquetDataset(table)
+    message = str(raised.value)
+    assert drifted in message
+    assert os.path.join(table, 'year=2020', 'country=KR', 'part-0.parquet') in message
+    assert 'colour' in message
+
+
+def test_partition_directories_that_differ_are_named(table):
+    odd = _write(table, 'year=2022/part-0.parquet', [9])
+    with pytest.raises(ParquetSchemaError, match='partition directories differ') \
+            as raised:
+        ParquetDataset(table)
+    assert odd in str(raised.value)
+    assert 'year=.../country=...' in str(raised.value)
+
+
+def test_a_partition_named_like_a_column_is_refused(tmp_path):
+    root = tmp_path / 'clash'
+    _write(root, 'id=1/part-0.parquet', [0, 1])
+    with pytest.raises(ParquetSchemaError, match='partition column id is also'):
+        ParquetDataset(str(root))
+    assert len(ParquetDataset(str(root), partitioning=None)) == 2
