@@ -286,7 +286,10 @@ def test_exception_in_training_loop_inside_with_stops_everything(images, tmp_pat
 
 
 _SCRIPT = textwrap.dedent('''
-    import os, sys, time
+    import os, signal, sys, time
+    # Ctrl-C raises KeyboardInterrupt, as in a terminal, even when these
+    # tests were started with SIGINT ignored (in the background).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import chainer
     import helpers
     from chainer_prefetch import PrefetchMultiprocessIterator

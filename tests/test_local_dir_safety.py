@@ -423,7 +423,10 @@ def test_sigkill_of_the_whole_process_group_leaves_no_shared_memory():
 
 
 _HUNG_SCRIPT = textwrap.dedent('''
-    import os, sys
+    import os, signal, sys
+    # Ctrl-C raises KeyboardInterrupt, as in a terminal, even when these
+    # tests were started with SIGINT ignored (in the background).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import chainer
     from chainer_prefetch import PrefetchMultiprocessIterator
     fifos = sys.argv[1:]
