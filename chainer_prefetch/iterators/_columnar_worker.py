@@ -7,12 +7,12 @@ located view and the others from the source (the same split and the same
 fallback as :func:`._worker.load_examples`), then writes every column into
 the batch's shared buffer, one after the other at aligned offsets:
 
-* an array column as its bytes (:class:`PackedArray`);
+* an array column as its bytes (:class:`_worker.Packed`);
 * a :class:`~chainer_prefetch.columnar.VarColumn` as its offsets, then its
   values (:class:`PackedVar`);
 * an ``object`` column is not written: it travels by pickling.
 
-The answer is the batch with :class:`PackedArray`/:class:`PackedVar` in
+The answer is the batch with :class:`_worker.Packed`/:class:`PackedVar` in
 place of the columns written, so only a few small objects are pickled.
 When the columns do not fit the buffer, nothing is written: the batch is
 pickled, and the answer says how many bytes per row it needed, so later
@@ -26,38 +26,13 @@ from chainer_prefetch.columnar import ColumnarBatch, VarColumn
 from chainer_prefetch.iterators import _worker
 from chainer_prefetch.staging.sources import as_source
 
-_ALIGN = 64
-
-
-class PackedArray:
-    """An array column written into a shared buffer at ``offset``."""
-
-    __slots__ = ('dtype', 'shape', 'offset')
-
-    def __init__(self, dtype, shape, offset):
-        self.dtype = dtype
-        self.shape = shape
-        self.offset = offset
-
-    def __reduce__(self):
-        return PackedArray, (self.dtype, self.shape, self.offset)
-
-    def __len__(self):
-        return self.shape[0]
-
-    def unpack(self, memory: numpy.ndarray, copy: bool) -> numpy.ndarray:
-        size = int(numpy.prod(self.shape, dtype=numpy.int64)) * self.dtype.itemsize
-        array = memory[self.offset:self.offset + size].view(
-            self.dtype).reshape(self.shape)
-        return array.copy() if copy else array
-
 
 class PackedVar:
     """A :class:`VarColumn` written into a shared buffer."""
 
     __slots__ = ('offsets', 'values', 'kind')
 
-    def __init__(self, offsets: PackedArray, values: PackedArray, kind: str):
+    def __init__(self, offsets: _worker.Packed, values: _worker.Packed, kind: str):
         self.offsets = offsets
         self.values = values
         self.kind = kind
@@ -83,7 +58,7 @@ def _arrays_of(column):
 
 def packed_bytes(batch: ColumnarBatch) -> int:
     """Bytes a shared buffer needs to hold the columns of ``batch``."""
-    return sum(-(-array.nbytes // _ALIGN) * _ALIGN + _ALIGN
+    return sum(_worker.region_bytes(array)
                for column in batch.columns.values()
                for array in _arrays_of(column))
 
@@ -93,7 +68,7 @@ def pack_columns(batch: ColumnarBatch, buffer: numpy.ndarray):
 
     Returns:
         ``(packed batch, unfit_bytes)``: the batch with its columns replaced
-        by :class:`PackedArray`/:class:`PackedVar`, and 0; or, when they do
+        by :class:`_worker.Packed`/:class:`PackedVar`, and 0; or, when they do
         not fit, the batch itself and the bytes per row it needs.
     """
     needed = packed_bytes(batch)
@@ -103,11 +78,9 @@ def pack_columns(batch: ColumnarBatch, buffer: numpy.ndarray):
 
     def put(array):
         nonlocal offset
-        start = -(-offset // _ALIGN) * _ALIGN
-        target = buffer[start:start + array.nbytes].view(array.dtype)
-        numpy.copyto(target.reshape(array.shape), array)
+        start = _worker.aligned(offset)
         offset = start + array.nbytes
-        return PackedArray(array.dtype, array.shape, start)
+        return _worker.write_array(array, buffer, start)
 
     columns = {}
     for name, column in batch.columns.items():
@@ -128,7 +101,7 @@ def unpack_columns(packed: ColumnarBatch, memory, copy: bool = False
         return packed
     return packed.with_columns({
         name: column.unpack(memory, copy)
-        if isinstance(column, (PackedArray, PackedVar)) else column
+        if isinstance(column, (_worker.Packed, PackedVar)) else column
         for name, column in packed.columns.items()})
 
 

@@ -165,6 +165,16 @@ class Packed:
     def __reduce__(self):
         return Packed, (self.dtype, self.shape, self.offset)
 
+    def __len__(self):
+        return self.shape[0]
+
+    def unpack(self, memory: numpy.ndarray, copy: bool) -> numpy.ndarray:
+        """The array in ``memory``: a view, or a copy with ``copy``."""
+        size = int(numpy.prod(self.shape, dtype=numpy.int64)) * self.dtype.itemsize
+        array = memory[self.offset:self.offset + size].view(
+            self.dtype).reshape(self.shape)
+        return array.copy() if copy else array
+
 
 def example_bytes(example) -> int:
     """Bytes of the arrays of ``example`` (what a deep copy of it holds)."""
@@ -173,8 +183,24 @@ def example_bytes(example) -> int:
 
 def slot_bytes(example) -> int:
     """Bytes a region of a shared buffer needs to hold ``example`` (see :func:`pack`)."""
-    return sum(-(-array.nbytes // _ALIGN) * _ALIGN + _ALIGN
-               for array in _arrays(example))
+    return sum(region_bytes(array) for array in _arrays(example))
+
+
+def aligned(offset: int) -> int:
+    """The first offset from ``offset`` where an array may start in a shared buffer."""
+    return -(-offset // _ALIGN) * _ALIGN
+
+
+def region_bytes(array: numpy.ndarray) -> int:
+    """Bytes ``array`` may take in a shared buffer, its alignment included."""
+    return aligned(array.nbytes) + _ALIGN
+
+
+def write_array(array: numpy.ndarray, buffer: numpy.ndarray, start: int) -> Packed:
+    """Copies ``array`` into ``buffer`` at the aligned offset ``start``; returns its marker."""
+    target = buffer[start:start + array.nbytes].view(array.dtype)
+    numpy.copyto(target.reshape(array.shape), array)
+    return Packed(array.dtype, array.shape, start)
 
 
 def _arrays(example):
@@ -202,14 +228,12 @@ def pack(example, buffer: numpy.ndarray, offset: int, limit: int):
         nonlocal offset, unfit
         if not isinstance(value, numpy.ndarray) or value.dtype.hasobject:
             return value
-        start = -(-offset // _ALIGN) * _ALIGN
+        start = aligned(offset)
         if start + value.nbytes > limit:
             unfit = True
             return value
-        target = buffer[start:start + value.nbytes].view(value.dtype)
-        numpy.copyto(target.reshape(value.shape), value)
         offset = start + value.nbytes
-        return Packed(value.dtype, value.shape, start)
+        return write_array(value, buffer, start)
 
     if isinstance(example, numpy.ndarray):
         packed = put(example)
@@ -225,13 +249,7 @@ def pack(example, buffer: numpy.ndarray, offset: int, limit: int):
 def unpack(example, memory: numpy.ndarray, copy: bool = False) -> Any:
     """Replaces :class:`Packed` markers by arrays of ``memory`` (views, or copies)."""
     def get(value):
-        if type(value) is not Packed:
-            return value
-        size = int(numpy.prod(value.shape, dtype=numpy.int64)) * \
-            value.dtype.itemsize
-        array = memory[value.offset:value.offset + size].view(
-            value.dtype).reshape(value.shape)
-        return array.copy() if copy else array
+        return value.unpack(memory, copy) if type(value) is Packed else value
 
     if type(example) is Packed:
         return get(example)
