@@ -708,20 +708,32 @@ class Scheduler:
             batch.status[position] = Status.PLANNED
             self._plan(batch, position)
 
-    def _on_Loaded(self, event):
-        batch_id, positions = self._tasks.pop(event.task_id)
+    def _answered(self, task_id):
+        """The batch and positions of an answered load task (batch ``None``: discarded)."""
+        batch_id, positions = self._tasks.pop(task_id)
         batch = self._batches[batch_id]
         batch.outstanding -= 1
         if batch.discarded:
             self._release_if_idle(batch)
+            return None, positions
+        return batch, positions
+
+    @staticmethod
+    def _failure_of(result) -> BaseException:
+        """The error a load answer that is not a :class:`LoadResult` stands for."""
+        return (result.error if isinstance(result, LoadFailure)
+                else RuntimeError('load task ended early'))
+
+    def _on_Loaded(self, event):
+        batch, positions = self._answered(event.task_id)
+        if batch is None:
             return
         for offset, position in enumerate(positions):
             result = event.results[offset] if offset < len(event.results) else None
             if not isinstance(result, LoadResult):
                 batch.status[position] = Status.FAILED
                 if batch.error is None:
-                    batch.error = (result.error if isinstance(result, LoadFailure)
-                                   else RuntimeError('load task ended early'))
+                    batch.error = self._failure_of(result)
                 continue
             batch.status[position] = Status.LOADED
             batch.results[position] = result.example
@@ -731,18 +743,14 @@ class Scheduler:
                 self._buffers.grow(result.unfit_bytes)
 
     def _on_ColumnsLoaded(self, event):
-        batch_id, units = self._tasks.pop(event.task_id)
-        batch = self._batches[batch_id]
-        batch.outstanding -= 1
-        if batch.discarded:
-            self._release_if_idle(batch)
+        batch, units = self._answered(event.task_id)
+        if batch is None:
             return
         result = event.result
         if not isinstance(result, LoadResult):
             for unit in units:
                 batch.status[unit] = Status.FAILED
-            batch.error = (result.error if isinstance(result, LoadFailure)
-                           else RuntimeError('load task ended early'))
+            batch.error = self._failure_of(result)
             return
         batch.columns = result.example
         source_bytes = result.source_bytes

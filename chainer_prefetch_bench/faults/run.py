@@ -78,6 +78,7 @@ class Checker:
     """Compares delivered examples with direct reads (made once, up front)."""
 
     def __init__(self, dataset):
+        self.dataset = dataset
         self.expected = [dataset[i] for i in range(len(dataset))]
         self.checked = self.wrong = 0
         self.position = 0
@@ -95,6 +96,15 @@ class Checker:
     def run(self, it, n_batches):
         for _ in range(n_batches):
             self.batch(it.next())
+
+    def run_fresh(self, local_dir, n_batches=12, **options) -> dict:
+        """Reads ``n_batches`` with a new iterator on ``local_dir``; returns its stats."""
+        it = iterator(self.dataset, local_dir, **options)
+        try:
+            self.run(it, n_batches)
+            return it.stats
+        finally:
+            it.finalize()
 
 
 def as_nobody(script: str):
@@ -199,12 +209,8 @@ def fault_full_disk(world):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter('always')
-            it = iterator(dataset, os.path.join(mount, 'local'))
-            try:
-                check.run(it, 12)
-                error = it.stats['local_storage_error']
-            finally:
-                it.finalize()
+            error = check.run_fresh(os.path.join(mount, 'local'))[
+                'local_storage_error']
     finally:
         _unmount(mount)
     warned = any('stopped' in str(w.message) for w in caught)
@@ -219,11 +225,7 @@ def fault_read_only_local_dir(world):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter('always')
-            it = iterator(dataset, os.path.join(mount, 'local'))
-            try:
-                check.run(it, 12)
-            finally:
-                it.finalize()
+            check.run_fresh(os.path.join(mount, 'local'))
     finally:
         _unmount(mount)
     warned = any('unusable' in str(w.message) for w in caught)
@@ -426,38 +428,27 @@ def fault_sharer_killed_holding_reservations(world):
             'wrong': check.wrong}
 
 
-def fault_other_user_plants_files(world):
-    dataset = dataset_of(world['shared'])
-    hostile = os.path.join(world['scratch'], 'local')
+def _planted_by_nobody(world, planted, local_dir):
+    """User nobody makes ``planted`` (mode 0777) and plants the dataset's
+    files there with other bytes; then an iterator runs on ``local_dir``."""
     as_nobody('import os; os.makedirs({0!r}); os.chmod({0!r}, 0o777)'.format(
-        hostile))
-    plant(hostile, world['shared'], os.path.join(world['shared'], 'train.txt'))
-    check = Checker(dataset)
+        planted))
+    plant(planted, world['shared'], os.path.join(world['shared'], 'train.txt'))
+    check = Checker(dataset_of(world['shared']))
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
-        it = iterator(dataset, hostile)
-        try:
-            check.run(it, 12)
-        finally:
-            it.finalize()
+        check.run_fresh(local_dir)
     return {'outcome': 'survived', 'wrong': check.wrong}
+
+
+def fault_other_user_plants_files(world):
+    hostile = os.path.join(world['scratch'], 'local')
+    return _planted_by_nobody(world, hostile, hostile)
 
 
 def fault_other_user_guesses_the_private_name(world):
-    dataset = dataset_of(world['shared'])
     private = os.path.join(world['scratch'], 'chainer_prefetch-root')
-    as_nobody('import os; os.makedirs({0!r}); os.chmod({0!r}, 0o777)'.format(
-        private))
-    plant(private, world['shared'], os.path.join(world['shared'], 'train.txt'))
-    check = Checker(dataset)
-    with warnings.catch_warnings():
-        warnings.simplefilter('ignore')
-        it = iterator(dataset, world['scratch'])
-        try:
-            check.run(it, 12)
-        finally:
-            it.finalize()
-    return {'outcome': 'survived', 'wrong': check.wrong}
+    return _planted_by_nobody(world, private, world['scratch'])
 
 
 def fault_hard_link_at_the_partial_name(world):
@@ -475,11 +466,7 @@ def fault_hard_link_at_the_partial_name(world):
         break
     directory.close()
     check = Checker(dataset)
-    it = iterator(dataset, world['local'])
-    try:
-        check.run(it, 12)
-    finally:
-        it.finalize()
+    check.run_fresh(world['local'])
     with open(outside) as f:
         intact = f.read() == 'keep'
     return {'outcome': 'survived' if intact else 'overwritten',
@@ -492,11 +479,7 @@ def fault_unusable_capacity_ledger(world):
     check = Checker(dataset)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
-        it = iterator(dataset, world['local'], local_capacity=10 ** 8)
-        try:
-            check.run(it, 12)
-        finally:
-            it.finalize()
+        check.run_fresh(world['local'], local_capacity=10 ** 8)
     warned = any('capacity ledger' in str(w.message) for w in caught)
     return {'outcome': 'survived' if warned else 'no warning',
             'wrong': check.wrong}
