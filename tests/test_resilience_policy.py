@@ -264,7 +264,7 @@ from chainer_prefetch.resilience.watchdog import Watchdog, WatchdogSettings
 mode = sys.argv[1]
 dog = Watchdog(7, WatchdogSettings(stop_timeout=1.0, call_timeout=1.5),
                ['Allreduce'])
-print(dog.process.pid, dog.heartbeat.path, flush=True)
+print(dog.process.pid, flush=True)
 if mode == 'stop':
     os.kill(os.getpid(), signal.SIGSTOP)
 elif mode == 'call':
@@ -277,19 +277,37 @@ elif mode == 'busy':  # inside and outside MPI, never too long
     print('stopped cleanly', flush=True)
 elif mode == 'vanish':
     os._exit(0)
+elif mode == 'kill_both':
+    os.kill(dog.process.pid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 '''
 
 
 def _watched(tmp_path, mode):
+    """Runs WATCHED_SCRIPT; returns its result, its watchdog's pid, seconds taken.
+
+    Also checks that nothing named was left in ``/dev/shm`` (the heartbeat
+    is anonymous shared memory).
+    """
     script = tmp_path / 'watched.py'
     script.write_text(WATCHED_SCRIPT)
     env = dict(os.environ, PYTHONPATH=helpers_repo())
+    before = _shm_names()
     started = time.monotonic()
     result = subprocess.run([sys.executable, str(script), mode], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             timeout=30, universal_newlines=True)
-    watchdog_pid, heartbeat = result.stdout.split()[:2]
-    return result, int(watchdog_pid), heartbeat, time.monotonic() - started
+    elapsed = time.monotonic() - started
+    watchdog_pid = int(result.stdout.split()[0])
+    assert helpers.wait_until(lambda: not helpers.is_running(watchdog_pid), 5)
+    assert not _shm_names() - before
+    return result, watchdog_pid, elapsed
+
+
+def _shm_names():
+    """The heartbeat-like names in /dev/shm (a named heartbeat would show here)."""
+    return {name for name in os.listdir('/dev/shm')
+            if name.startswith('chainer_prefetch')}
 
 
 def helpers_repo():
@@ -298,39 +316,39 @@ def helpers_repo():
 
 @pytest.mark.timeout(60)
 def test_watchdog_kills_a_stopped_rank(tmp_path):
-    result, watchdog_pid, heartbeat, elapsed = _watched(tmp_path, 'stop')
+    result, _, elapsed = _watched(tmp_path, 'stop')
     assert result.returncode == -9
     assert 'rank 7' in result.stderr and 'has been stopped for' in result.stderr
     assert elapsed < 15
-    assert helpers.wait_until(lambda: not helpers.is_running(watchdog_pid), 5)
-    assert helpers.wait_until(lambda: not os.path.exists(heartbeat), 5)
 
 
 @pytest.mark.timeout(60)
 def test_watchdog_ends_a_rank_stuck_in_mpi(tmp_path):
-    result, watchdog_pid, heartbeat, elapsed = _watched(tmp_path, 'call')
+    result, _, elapsed = _watched(tmp_path, 'call')
     assert result.returncode == -9
     assert 'rank 7' in result.stderr
     assert 'MPI Allreduce made no progress for' in result.stderr
     assert elapsed < 15
-    assert helpers.wait_until(lambda: not helpers.is_running(watchdog_pid), 5)
 
 
 @pytest.mark.timeout(60)
 def test_watchdog_leaves_a_healthy_rank_alone_and_stops(tmp_path):
-    result, watchdog_pid, heartbeat, _ = _watched(tmp_path, 'busy')
+    result, _, _ = _watched(tmp_path, 'busy')
     assert result.returncode == 0, result.stderr
     assert 'stopped cleanly' in result.stdout
-    assert not helpers.is_running(watchdog_pid)
-    assert not os.path.exists(heartbeat)
 
 
 @pytest.mark.timeout(60)
 def test_watchdog_exits_when_its_rank_vanishes(tmp_path):
-    result, watchdog_pid, heartbeat, _ = _watched(tmp_path, 'vanish')
+    result, _, _ = _watched(tmp_path, 'vanish')
     assert result.returncode == 0
-    assert helpers.wait_until(lambda: not helpers.is_running(watchdog_pid), 5)
-    assert helpers.wait_until(lambda: not os.path.exists(heartbeat), 5)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_and_its_watchdog_both_killed_leave_nothing(tmp_path):
+    """SIGKILL of both (as a job's end can do) runs no cleanup code at all."""
+    result, _, _ = _watched(tmp_path, 'kill_both')
+    assert result.returncode == -9
 
 
 # ---- the supervisor that fences a rank ending without finalizing -------------

@@ -24,7 +24,6 @@ import signal
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from typing import NamedTuple, Optional, Sequence
 
@@ -50,24 +49,25 @@ class WatchdogSettings(NamedTuple):
 class Heartbeat:
     """The rank's side: marks entry into and exit from MPI calls.
 
+    The heartbeat is anonymous shared memory (``memfd``), handed to the
+    watchdog process as an inherited descriptor: it has no name in
+    ``/dev/shm``, so nothing is left behind even when the rank and its
+    watchdog are both killed.
+
     Args:
         operations: Names of the calls (their index is what is stored).
-        directory: Where the shared file lives (``/dev/shm`` if present).
     """
 
-    def __init__(self, operations: Sequence[str],
-                 directory: Optional[str] = None):
-        if directory is None and os.path.isdir('/dev/shm'):
-            directory = '/dev/shm'
+    def __init__(self, operations: Sequence[str]):
         self.operations = list(operations)
         self._index = {name: i for i, name in enumerate(self.operations)}
-        fd, self.path = tempfile.mkstemp(prefix='chainer_prefetch_heartbeat_',
-                                         dir=directory)
+        self.fd: Optional[int] = os.memfd_create('chainer_prefetch_heartbeat')
         try:
-            os.write(fd, b'\0' * HEARTBEAT_SIZE)
-            self._map = mmap.mmap(fd, HEARTBEAT_SIZE)
-        finally:
-            os.close(fd)
+            os.ftruncate(self.fd, HEARTBEAT_SIZE)
+            self._map = mmap.mmap(self.fd, HEARTBEAT_SIZE)
+        except BaseException:
+            self.close()
+            raise
 
     def enter(self, operation: str) -> None:
         """Records that the rank enters ``operation`` now."""
@@ -79,14 +79,13 @@ class Heartbeat:
         struct.pack_into(HEARTBEAT_FORMAT, self._map, 0, 0.0, -1)
 
     def close(self) -> None:
-        """Unmaps and removes the shared file (idempotent)."""
-        if self._map is not None:
+        """Unmaps the heartbeat and closes its descriptor (idempotent)."""
+        if getattr(self, '_map', None) is not None:
             self._map.close()
             self._map = None
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class Watchdog:
@@ -105,14 +104,15 @@ class Watchdog:
         # Started by path: only the standard library is imported (fast).
         command = [sys.executable, os.path.abspath(__file__),
                    '--pid', str(os.getpid()), '--rank', str(rank),
-                   '--heartbeat', self.heartbeat.path,
+                   '--heartbeat-fd', str(self.heartbeat.fd),
                    '--operations', ','.join(operations)]
         if settings.stop_timeout is not None:
             command += ['--stop-timeout', str(settings.stop_timeout)]
         if settings.call_timeout is not None:
             command += ['--call-timeout', str(settings.call_timeout)]
         try:
-            self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL,
+                                            pass_fds=(self.heartbeat.fd,))
         except BaseException:
             self.heartbeat.close()
             raise
@@ -168,11 +168,19 @@ def decide(state: Optional[str], stopped_for: float, call_started: float,
     return None
 
 
-def watch(pid: int, rank: int, heartbeat_path: str, operations: Sequence[str],
+def watch(pid: int, rank: int, heartbeat_fd: int, operations: Sequence[str],
           stop_timeout: Optional[float], call_timeout: Optional[float]) -> int:
-    """The watchdog loop; returns the process exit status."""
-    with open(heartbeat_path, 'rb') as f:
-        shared = mmap.mmap(f.fileno(), HEARTBEAT_SIZE, access=mmap.ACCESS_READ)
+    """The watchdog loop; returns the process exit status.
+
+    Args:
+        pid: The rank's process.
+        rank: Its rank (shown in messages).
+        heartbeat_fd: The heartbeat's descriptor, inherited from the rank.
+        operations: Names of the MPI calls the heartbeat reports.
+        stop_timeout, call_timeout: As in :class:`WatchdogSettings`.
+    """
+    shared = mmap.mmap(heartbeat_fd, HEARTBEAT_SIZE, access=mmap.ACCESS_READ)
+    os.close(heartbeat_fd)
     stopped_since = None
     try:
         while True:
@@ -215,24 +223,20 @@ def watch(pid: int, rank: int, heartbeat_path: str, operations: Sequence[str],
             time.sleep(POLL_SECONDS)
     finally:
         shared.close()
-        try:
-            os.unlink(heartbeat_path)
-        except FileNotFoundError:
-            pass
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--pid', type=int, required=True)
     parser.add_argument('--rank', type=int, required=True)
-    parser.add_argument('--heartbeat', required=True)
+    parser.add_argument('--heartbeat-fd', type=int, required=True)
     parser.add_argument('--operations', default='')
     parser.add_argument('--stop-timeout', type=float, default=None)
     parser.add_argument('--call-timeout', type=float, default=None)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rank decides
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    return watch(args.pid, args.rank, args.heartbeat,
+    return watch(args.pid, args.rank, args.heartbeat_fd,
                  args.operations.split(','), args.stop_timeout,
                  args.call_timeout)
 

@@ -111,10 +111,11 @@ class CapacityLedger:
         if not self._reserving.acquire(timeout=self.lock_timeout):
             return False
         try:
-            if not self._global_lock(deadline):
+            if not _flock_within(self._ledger_fd, fcntl.LOCK_EX, deadline):
                 return False
             try:
-                if self._total(fold_dead=True) + n_bytes > self.limit_bytes:
+                used = _sum(self._ledger_fd, self._accounts, fold_dead=True)
+                if used + n_bytes > self.limit_bytes:
                     return False
                 with self._lock:
                     self._reserved += n_bytes
@@ -145,10 +146,12 @@ class CapacityLedger:
             self._write_account()
 
     def used_bytes(self) -> int:
-        """Bytes counted against the budget now (every process), also after :meth:`close`."""
-        if self._ledger_fd is None:
-            return used_bytes(self._root)  # the module's function
-        return self._total(fold_dead=False)
+        """Bytes counted against the budget now (every process), also after :meth:`close`.
+
+        A snapshot as :func:`used_bytes` takes it (through a descriptor of
+        its own, so that its shared lock never meets this object's).
+        """
+        return used_bytes(self._root)  # the module's function
 
     def close(self):
         """Ends this account (its reservations stop counting) and lets go of the files."""
@@ -184,19 +187,6 @@ class CapacityLedger:
         if written != _ACCOUNT.size:
             raise OSError(errno.EIO, 'short write to a capacity account')
 
-    def _global_lock(self, deadline: float) -> bool:
-        while True:
-            try:
-                fcntl.flock(self._ledger_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(_POLL_SECONDS)
-
-    def _total(self, fold_dead: bool) -> int:
-        return _sum(self._ledger_fd, self._accounts, fold_dead)
-
     def _recount(self, data_root):
         """Alone: the baseline becomes the files on disk; old accounts go."""
         fcntl.flock(self._ledger_fd, fcntl.LOCK_EX)
@@ -212,16 +202,44 @@ class CapacityLedger:
             fcntl.flock(self._ledger_fd, fcntl.LOCK_UN)
 
 
-def used_bytes(root: str) -> int:
+def used_bytes(root: str, wait_seconds: float = 1.0) -> int:
     """The bytes counted against the budget of the directory ``root`` now.
 
-    Reads the ledger without taking part in it (no account is opened).
+    Reads the ledger without taking part in it (no account is opened).  The
+    accounts are read one after the other, so the read holds the global lock
+    shared: no reservation can grow the sum meanwhile, and a file evicted by
+    one process and the reservation another made with its room are never
+    both counted.  If the lock cannot be had within ``wait_seconds`` (a peer
+    stopped while holding it), the accounts are read without it, and the sum
+    may then count such a file twice.
+
+    Args:
+        root: The local directory.
+        wait_seconds: How long to wait for the shared lock.
     """
     fd = os.open(os.path.join(root, _LEDGER), os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        return _sum(fd, os.path.join(root, _ACCOUNTS), fold_dead=False)
+        locked = _flock_within(fd, fcntl.LOCK_SH,
+                               time.monotonic() + wait_seconds)
+        try:
+            return _sum(fd, os.path.join(root, _ACCOUNTS), fold_dead=False)
+        finally:
+            if locked:
+                fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+def _flock_within(fd: int, operation: int, deadline: float) -> bool:
+    """Takes ``flock(fd, operation)``, polling until ``deadline``; False if not had."""
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_SECONDS)
 
 
 def _sum(ledger_fd, accounts, fold_dead) -> int:
