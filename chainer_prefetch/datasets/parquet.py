@@ -396,12 +396,12 @@ class ParquetDataset(DatasetMixin):
             except OSError as error:
                 error.index = int(indices[segment[0]])
                 raise
-            parts.append(table.take(pyarrow.array(rows[segment])))
+            parts.append(table.take(_index_array(rows[segment])))
         if len(parts) == 1:
             return parts[0]
         inverse = numpy.empty(len(order), dtype=numpy.int64)
         inverse[order] = numpy.arange(len(order))
-        return pyarrow.concat_tables(parts).take(pyarrow.array(inverse))
+        return pyarrow.concat_tables(parts).take(_index_array(inverse))
 
     def _partition_columns(self, groups) -> Dict[str, Any]:
         columns = {}
@@ -413,7 +413,7 @@ class ParquetDataset(DatasetMixin):
             values = [self.partitions.values[file_index][column]
                       for file_index in range(len(self.files))]
             array = pyarrow.array(values, self.partitions.types[column])
-            columns[name] = column_of_array(array.take(pyarrow.array(files)))
+            columns[name] = column_of_array(array.take(_index_array(files)))
         return columns
 
     def _transform_rows(self, batch, indices, groups) -> ColumnarBatch:
@@ -628,6 +628,18 @@ def _read_ipc(path: str) -> pyarrow.Table:
     except (OSError, pyarrow.ArrowException) as error:
         raise ParquetFileError('cannot read local row group {}: {}'.format(
             path, error)) from error
+
+
+def _index_array(indices: numpy.ndarray) -> pyarrow.Array:
+    """Row numbers as an Arrow int64 array over the same memory.
+
+    ``pyarrow.array`` of a NumPy array would import pandas (about 0.25 s,
+    in every loader process) just to check whether it was given a pandas
+    object.
+    """
+    indices = numpy.ascontiguousarray(indices, dtype=numpy.int64)
+    return pyarrow.Array.from_buffers(pyarrow.int64(), len(indices),
+                                      [None, pyarrow.py_buffer(indices)])
 
 
 def _single_chunk(column: pyarrow.ChunkedArray) -> pyarrow.Array:

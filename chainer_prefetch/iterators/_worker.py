@@ -18,6 +18,7 @@ its arrays (the example itself, or the arrays directly in a tuple, list or
 dict) are written there and replaced by :class:`Packed` markers.  An array
 that does not fit travels by pickling.
 """
+import math
 import mmap
 import os
 import pickle
@@ -170,7 +171,7 @@ class Packed:
 
     def unpack(self, memory: numpy.ndarray, copy: bool) -> numpy.ndarray:
         """The array in ``memory``: a view, or a copy with ``copy``."""
-        size = int(numpy.prod(self.shape, dtype=numpy.int64)) * self.dtype.itemsize
+        size = math.prod(self.shape) * self.dtype.itemsize
         array = memory[self.offset:self.offset + size].view(
             self.dtype).reshape(self.shape)
         return array.copy() if copy else array
