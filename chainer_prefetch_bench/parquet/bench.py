@@ -36,9 +36,10 @@ Every method reads the same six columns (all but ``tokens``: Petastorm's
 ``make_batch_reader`` fails on variable-length list columns).
 
 Each run is a fresh child process; its clock starts once the method's
-libraries are imported (a training job has them imported anyway).  The parent samples the memory of the
-child and all its descendants (sum of RSS and of PSS, which counts a page
-shared by several processes once) every 0.2 s and reports the peaks, and
+libraries are imported (a training job has them imported anyway).  The
+parent samples the memory of the child and all its descendants (sum of RSS
+and of PSS, which counts a page shared by several processes once) every
+0.2 s and reports the peaks, and
 the bytes in ours' local directory (``peak_local_mb``: memory too when the
 directory is on tmpfs).  The page cache of the dataset is dropped before
 each run.  ``--growth K`` adds runs of ``ours-local`` reading K times the
