@@ -62,6 +62,8 @@ def _number_column(array: pyarrow.Array) -> numpy.ndarray:
     if pyarrow.types.is_boolean(array.type):
         return array.to_numpy(zero_copy_only=False)
     dtype = numpy.dtype(_NUMPY_NAMES.get(str(array.type), str(array.type)))
+    if len(array) == 0:
+        return numpy.zeros(0, dtype)
     return numpy.frombuffer(array.buffers()[1], dtype, count=len(array),
                             offset=array.offset * dtype.itemsize)
 
