@@ -76,6 +76,12 @@ class ElasticJob:
     def stderr_of(self, process):
         return process.stderr.read().decode(errors='replace')
 
+    def unexpected_ends(self, codes, expected=(0, -signal.SIGKILL)):
+        """The end of the stderr of each member whose exit code is unexpected."""
+        return {process.pid: (code, self.stderr_of(process)[-3000:])
+                for process, code in zip(self.processes, codes)
+                if code not in expected}
+
     def kill_all(self):
         for process in self.processes:
             if process.poll() is None:
