@@ -264,24 +264,30 @@ class SharedBuffers:
         ``BufferReleased`` is posted once they are all gone; otherwise they
         are copies and the buffer is free at once.
         """
-        memory = self._maps.get(buffer)
-        if memory is None:
+        base = self._base(buffer, hand_over)
+        if base is None:
             return examples
-        base = numpy.frombuffer(memory, numpy.uint8)
-        if hand_over:
-            weakref.finalize(base, self._post, s.BufferReleased(buffer))
         return [_worker.unpack(example, base, copy=not hand_over)
                 for example in examples]
 
     def unpack_columns(self, buffer: Optional[int], packed, hand_over: bool):
         """A columnar batch with its columns read from ``buffer`` (see :meth:`unpack`)."""
+        base = self._base(buffer, hand_over)
+        if base is None:
+            return packed
+        return _columnar_worker.unpack_columns(packed, base, copy=not hand_over)
+
+    def _base(self, buffer: Optional[int], hand_over: bool
+              ) -> Optional[numpy.ndarray]:
+        """The bytes of ``buffer`` (None: not mapped); with ``hand_over``,
+        ``BufferReleased`` is posted once every view of them is gone."""
         memory = self._maps.get(buffer)
         if memory is None:
-            return packed
+            return None
         base = numpy.frombuffer(memory, numpy.uint8)
         if hand_over:
             weakref.finalize(base, self._post, s.BufferReleased(buffer))
-        return _columnar_worker.unpack_columns(packed, base, copy=not hand_over)
+        return base
 
     def free(self, buffer: int):
         """Unmaps ``buffer`` here and in the loader processes."""

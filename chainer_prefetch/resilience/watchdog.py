@@ -61,6 +61,7 @@ class Heartbeat:
     def __init__(self, operations: Sequence[str]):
         self.operations = list(operations)
         self._index = {name: i for i, name in enumerate(self.operations)}
+        self._map: Optional[mmap.mmap] = None
         self.fd: Optional[int] = os.memfd_create('chainer_prefetch_heartbeat')
         try:
             os.ftruncate(self.fd, HEARTBEAT_SIZE)
@@ -80,7 +81,7 @@ class Heartbeat:
 
     def close(self) -> None:
         """Unmaps the heartbeat and closes its descriptor (idempotent)."""
-        if getattr(self, '_map', None) is not None:
+        if self._map is not None:
             self._map.close()
             self._map = None
         if self.fd is not None:
