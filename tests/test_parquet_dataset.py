@@ -17,6 +17,7 @@ from chainer_prefetch.datasets import (
     ParquetSchemaError,
     RowGroupWindowOrderSampler,
 )
+from chainer_prefetch.datasets import parquet as parquet_module
 from chainer_prefetch_bench.testbed import parquet_dataset as make_parquet_dataset
 
 ROWS, FILES, ROW_GROUP_ROWS = 90, 3, 10  # files of 30 rows: 10 + 10 + 10
@@ -159,6 +160,31 @@ def test_corrupt_data_is_named_when_read_and_metadata_still_works(shop, tmp_path
     assert dataset[0]['id'] == 0  # row group 0 is intact
     with pytest.raises(ParquetFileError, match='row group 1 of ' + victim):
         dataset[12]
+
+
+def test_a_row_group_read_in_parallel_pieces_equals_arrows_own_read(
+        shop, monkeypatch):
+    monkeypatch.setattr(parquet_module, 'READ_PIECE_BYTES', 64)  # many pieces
+    path = os.path.join(shop, 'part-00001.parquet')
+    for columns in (['image', 'title', 'id'], ['tokens', 'price'], ['category']):
+        for group in range(3):
+            ours = parquet_module.read_row_group(path, group, columns)
+            arrows = pyarrow.parquet.ParquetFile(path).read_row_group(
+                group, columns=columns)
+            assert ours.equals(arrows), (columns, group)
+
+
+def test_a_file_cut_short_after_its_footer_was_read_is_named(shop, tmp_path):
+    directory = _copy_of(shop, tmp_path)
+    victim = os.path.join(directory, 'part-00002.parquet')
+    dataset = ParquetDataset(directory, columns=['image'])  # footers read
+    last_group_start = pyarrow.parquet.read_metadata(victim).row_group(
+        2).column(0).data_page_offset
+    with open(victim, 'r+b') as f:
+        f.truncate(last_group_start + 10)
+    assert dataset[60]['image']  # row group 0 of the file: whole
+    with pytest.raises(ParquetFileError, match='row group 2 of ' + victim):
+        dataset[85]
 
 
 def test_empty_files_are_fine(shop, tmp_path):

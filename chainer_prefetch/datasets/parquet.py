@@ -31,6 +31,7 @@ With any other iterator (e.g. Chainer's ``MultiprocessIterator``) each process
 reads the Parquet files directly, with its own bounded cache.
 """
 import collections
+import concurrent.futures
 import contextlib
 import errno
 import glob
@@ -94,10 +95,7 @@ class RowGroupFile(DerivedFile):
         metadata = self._metadata
         if metadata is None:
             metadata = self._metadata = _read_metadata(self.origin)
-        group = metadata.row_group(self.row_group)
-        wanted = set(self.columns)
-        return group, [group.column(i) for i in range(group.num_columns)
-                       if group.column(i).path_in_schema.split('.')[0] in wanted]
+        return _selected_chunks(metadata, self.row_group, self.columns)
 
     def estimated_local_bytes(self, origin_stat) -> int:
         """The columns' uncompressed size in the footer (plus room for the IPC framing)."""
@@ -115,7 +113,8 @@ class RowGroupFile(DerivedFile):
 
     def load_from_origin(self) -> pyarrow.Table:
         """Reads and decodes the row group from the Parquet file."""
-        return read_row_group(self.origin, self.row_group, self.columns)
+        return read_row_group(self.origin, self.row_group, self.columns,
+                              self._metadata)
 
     def write_local_form(self, content: pyarrow.Table, out) -> None:
         """Writes ``content`` as an uncompressed Arrow IPC file of one record batch."""
@@ -141,16 +140,141 @@ def read_row_group(path: str, row_group: int, columns: Sequence[str],
         ParquetFileError: the file cannot be read or is corrupt.
     """
     try:
-        # pre_buffer: the column chunks are read in a few large reads, in
-        # parallel (from a cold local disk, 0.23 s instead of 1.2 s for a
-        # row group of 88 MB).
-        parquet_file = pyarrow.parquet.ParquetFile(path, metadata=metadata,
-                                                   pre_buffer=True)
+        if metadata is None:
+            metadata = _read_metadata(path)
+        _, chunks = _selected_chunks(metadata, row_group, columns)
+        span = _RowGroupBytes.load(path, chunks)
+        parquet_file = pyarrow.parquet.ParquetFile(
+            pyarrow.PythonFile(span, mode='r'), metadata=metadata,
+            pre_buffer=False)
         with parquet_file:
             return parquet_file.read_row_group(row_group, columns=list(columns))
     except (OSError, pyarrow.ArrowException, ValueError) as error:
         raise ParquetFileError('cannot read row group {} of {}: {}'.format(
             row_group, path, error)) from error
+
+
+def _selected_chunks(metadata, row_group: int, columns: Sequence[str]):
+    """The row group's metadata and those of its column chunks of ``columns``."""
+    group = metadata.row_group(row_group)
+    wanted = set(columns)
+    return group, [group.column(i) for i in range(group.num_columns)
+                   if group.column(i).path_in_schema.split('.')[0] in wanted]
+
+
+#: Reads of a row group's bytes go in pieces of at least this many bytes...
+READ_PIECE_BYTES = 4 << 20
+#: ... at most this many at a time.
+READ_THREADS = 8
+
+
+class _RowGroupBytes:
+    """The bytes of some column chunks of a Parquet file, read in parallel pieces.
+
+    Shared file systems (Lustre, GPFS, NFS, FUSE) serve one stream of reads
+    far below their bandwidth: each request waits its latency.  Reading the
+    span of the chunks as several pieces at once hides that latency (through
+    the emulated shared storage: 0.9 s instead of 2.0 s for 88 MB with one
+    stream, and 3.0-3.4 s for PyArrow's own reads of the same row group).
+    The object is then the file-like PyArrow decodes from (``read`` at
+    positions inside the span; the footer comes from the metadata given).
+
+    Args:
+        data: The bytes of the span.
+        start: The span's offset in the file.
+        size: The file's size.
+        path: The file (for messages).
+    """
+
+    def __init__(self, data: bytearray, start: int, size: int, path: str):
+        self._data = memoryview(data)
+        self._start = start
+        self._size = size
+        self._path = path
+        self._position = 0
+        self.closed = False
+
+    @classmethod
+    def load(cls, path: str, chunks) -> '_RowGroupBytes':
+        """Reads the span of ``chunks`` (column chunk metadata) of ``path``.
+
+        Raises:
+            OSError: the file cannot be read, or ends before the span does.
+        """
+        start = min(_chunk_start(chunk) for chunk in chunks) if chunks else 0
+        end = max(_chunk_start(chunk) + chunk.total_compressed_size
+                  for chunk in chunks) if chunks else 0
+        data = bytearray(end - start)
+        view = memoryview(data)
+        pieces = max(1, min(READ_THREADS, len(data) // READ_PIECE_BYTES))
+        bounds = [len(data) * k // pieces for k in range(pieces + 1)]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+
+            def read_piece(k):
+                done, stop = bounds[k], bounds[k + 1]
+                while done < stop:
+                    got = os.preadv(fd, [view[done:stop]], start + done)
+                    if got == 0:
+                        raise OSError(errno.EIO, 'file ends at {} bytes, inside '
+                                      'the row group ({} to {})'.format(
+                                          start + done, start, end), path)
+                    done += got
+
+            if pieces == 1:
+                read_piece(0)
+            else:
+                with concurrent.futures.ThreadPoolExecutor(
+                        pieces, thread_name_prefix='chainer_prefetch-read') as pool:
+                    for future in [pool.submit(read_piece, k)
+                                   for k in range(pieces)]:
+                        future.result()
+        finally:
+            os.close(fd)
+        return cls(data, start, size, path)
+
+    def seek(self, position, whence=0):
+        self._position = (position if whence == 0 else self._position + position
+                          if whence == 1 else self._size + position)
+        return self._position
+
+    def tell(self):
+        return self._position
+
+    def read(self, nbytes=-1):
+        begin = self._position - self._start
+        if nbytes is None or nbytes < 0:
+            nbytes = self._size - self._position
+        if begin < 0 or begin + nbytes > len(self._data):
+            raise OSError(errno.EIO, 'read of {} bytes at {} outside the row '
+                          'group read ({} to {})'.format(
+                              nbytes, self._position, self._start,
+                              self._start + len(self._data)), self._path)
+        self._position += nbytes
+        return self._data[begin:begin + nbytes]
+
+    def size(self):
+        return self._size
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def writable(self):
+        return False
+
+    def close(self):
+        self.closed = True
+
+
+def _chunk_start(chunk) -> int:
+    """Where a column chunk starts in its file (its dictionary page, if any)."""
+    if chunk.has_dictionary_page and chunk.dictionary_page_offset:
+        return min(chunk.dictionary_page_offset, chunk.data_page_offset)
+    return chunk.data_page_offset
 
 
 def find_parquet_files(paths: Paths) -> List[str]:

@@ -28,6 +28,12 @@ batch 100, for each number of loader workers:
   are drawn with replacement, so rows repeat within an epoch;
   ``blog-shared``: the same through the emulated shared storage.
 
+``--window`` is how many row groups ours shuffles together (its
+``RowGroupWindowOrderSampler``); with several (``--window 1,4``) every ours
+method runs at each, labelled ``ours-local w1``, ``ours-local w4``.  Window 1
+shuffles as Petastorm does (row groups in random order, rows within each):
+every batch comes from one row group, the ``RG/batch`` column shows it.
+
 Every configuration runs ``--repeats`` times, interleaved (repeat 1 of
 every configuration, then repeat 2, ...), and the table shows medians;
 ratios compare with Petastorm on the same storage at the same workers.
@@ -310,6 +316,8 @@ def run_one(config: Dict) -> Dict:
     finally:
         batches.close()
     return {'method': config['method'], 'workers': config['workers'],
+            'window': (config['window'] if config['method'].startswith('ours')
+                       else None),
             'rows': rows, 'seconds': round(seconds, 3),
             'rows_per_s': round(rows / seconds, 1),
             'first_batch_s': round(first_batch_s, 3),
@@ -378,15 +386,22 @@ MEDIAN_FIELDS = ('rows_per_s', 'peak_rss_mb', 'peak_pss_mb', 'peak_local_mb',
                  'first_batch_s', 'row_groups_per_batch')
 
 
+def label(run: Dict) -> str:
+    """The method of a run, with ours' window (``ours-local w4``)."""
+    if run.get('window') is None:
+        return run['method']
+    return '{} w{}'.format(run['method'], run['window'])
+
+
 def median_runs(runs: List[Dict]) -> List[Dict]:
-    """One run per (method, workers, batches): the median of each measured field.
+    """One run per (method and window, workers, batches): the median of each measured field.
 
     Duplicates are summed; ``repeats`` and ``rows_per_s_all`` (every value)
     are added.  Order: that of the first occurrences.
     """
     grouped = {}
     for run in runs:
-        key = (run['method'], run['workers'], run['rows'])
+        key = (label(run), run['workers'], run['rows'])
         grouped.setdefault(key, []).append(run)
     merged = []
     for group in grouped.values():
@@ -405,7 +420,7 @@ def median_runs(runs: List[Dict]) -> List[Dict]:
 def format_table(runs: List[Dict]) -> str:
     """The throughput table (medians), with ratios to Petastorm on the same storage."""
     speed = {(run['method'], run['workers']): run['rows_per_s'] for run in runs}
-    lines = ['{:<16} {:>7} {:>9} {:>10} {:>9} {:>9} {:>9} {:>8} {:>9} {:>8}'
+    lines = ['{:<19} {:>7} {:>9} {:>10} {:>9} {:>9} {:>9} {:>8} {:>9} {:>8}'
              .format('method', 'workers', 'rows/s', 'vs peer', 'RSS MB',
                      'PSS MB', 'local MB', '1st b s', 'dup/batch', 'RG/batch')]
     for run in runs:
@@ -413,9 +428,9 @@ def format_table(runs: List[Dict]) -> str:
         base = speed.get((peer, run['workers']))
         ratio = '{:>9.2f}x'.format(run['rows_per_s'] / base) if base else (
             '{:>10}'.format('-'))
-        lines.append('{:<16} {:>7} {:>9.0f} {} {:>9.0f} {:>9.0f} {:>9.0f} '
+        lines.append('{:<19} {:>7} {:>9.0f} {} {:>9.0f} {:>9.0f} {:>9.0f} '
                      '{:>8.2f} {:>9} {:>8.2f}'.format(
-                         run['method'], run['workers'], run['rows_per_s'],
+                         label(run), run['workers'], run['rows_per_s'],
                          ratio, run['peak_rss_mb'], run['peak_pss_mb'],
                          run.get('peak_local_mb', 0), run['first_batch_s'],
                          run['duplicates_in_batches'],
@@ -428,11 +443,11 @@ def format_table(runs: List[Dict]) -> str:
 
 def format_growth(runs: List[Dict]) -> str:
     """Memory of ours as the rows read grow."""
-    lines = ['{:<12} {:>7} {:>10} {:>9} {:>9} {:>9}'.format(
+    lines = ['{:<15} {:>7} {:>10} {:>9} {:>9} {:>9}'.format(
         'method', 'workers', 'rows', 'rows/s', 'PSS MB', 'local MB')]
     for run in runs:
-        lines.append('{:<12} {:>7} {:>10} {:>9.0f} {:>9.0f} {:>9.0f}'.format(
-            run['method'], run['workers'], run['rows'], run['rows_per_s'],
+        lines.append('{:<15} {:>7} {:>10} {:>9.0f} {:>9.0f} {:>9.0f}'.format(
+            label(run), run['workers'], run['rows'], run['rows_per_s'],
             run['peak_pss_mb'], run.get('peak_local_mb', 0)))
     return '\n'.join(lines)
 
@@ -466,16 +481,14 @@ def plot(report: Dict, path: str) -> None:
     import matplotlib.pyplot as plt
     figure, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4.5))
     medians = report.get('medians') or median_runs(report['runs'])
-    for method in METHODS:
-        runs = [run for run in medians if run['method'] == method]
-        if not runs:
-            continue
-        style = '--' if method.endswith('-shared') else '-'
+    for name in dict.fromkeys(label(run) for run in medians):
+        runs = [run for run in medians if label(run) == name]
+        style = '--' if runs[0]['method'].endswith('-shared') else '-'
         workers = [run['workers'] for run in runs]
         speed.plot(workers, [run['rows_per_s'] for run in runs], 'o' + style,
-                   label=method)
+                   label=name)
         memory.plot(workers, [run['peak_pss_mb'] + _tmpfs_mb(report, run)
-                              for run in runs], 'o' + style, label=method)
+                              for run in runs], 'o' + style, label=name)
     speed.set(xlabel='loader workers', ylabel='rows/s (batch 100), median',
               title='Throughput (dashed: emulated shared storage)')
     memory.set(xlabel='loader workers',
@@ -526,8 +539,11 @@ def parse_args(argv):
                         'the largest row group)')
     parser.add_argument('--workers', default='1,2,4')
     parser.add_argument('--methods', default=','.join(METHODS))
-    parser.add_argument('--window', type=int, default=4,
-                        help='row groups shuffled together (ours)')
+    parser.add_argument('--window', default='4',
+                        help='row groups shuffled together by ours: one '
+                        'number, or several (each ours method runs at each); '
+                        "1 is Petastorm's shuffle (each batch from one row "
+                        'group)')
     parser.add_argument('--num-cached-parquet', type=int, default=2,
                         help="files in each worker's cache (blog)")
     parser.add_argument('--coverage-epochs', type=int, default=5,
@@ -549,6 +565,8 @@ def parse_args(argv):
         args.coverage_epochs, args.coverage_rows = 2, 8000
         args.coverage_files, args.repeats, args.growth = 40, 1, 3
     args.workers = [int(w) for w in args.workers.split(',')]
+    args.windows = [int(w) for w in str(args.window).split(',')]
+    args.window = max(args.windows)  # growth and coverage runs
     args.methods = args.methods.split(',')
     return args
 
@@ -584,9 +602,9 @@ def main(argv=None) -> int:
     runs, coverage_runs, growth_runs = [], [], []
     sizes = _row_group_sizes(dataset_dir)
 
-    def config_for(method, workers, batches, source):
+    def config_for(method, workers, batches, source, window=args.window):
         return {'method': method, 'workers': workers, 'source': source,
-                'columns': columns, 'batches': batches, 'window': args.window,
+                'columns': columns, 'batches': batches, 'window': window,
                 'num_cached_parquet': args.num_cached_parquet,
                 'local_dir': local_dir, 'seed': 0, 'row_group_sizes': sizes,
                 'copy_ahead': args.copy_ahead}
@@ -594,18 +612,19 @@ def main(argv=None) -> int:
     with storage.mounted(dataset_dir, mountpoint, preset=args.preset):
         for repeat in range(args.repeats):
             for workers in args.workers:
-                for method in args.methods:
+                for method, window in _method_windows(args):
                     source = (mountpoint if method.endswith('-shared')
                               else dataset_dir)
                     result = _measure(config_for(method, workers, args.batches,
-                                                 source),
+                                                 source, window),
                                       dataset_dir, local_dir, args.run_timeout,
                                       petastorm_python)
                     result['repeat'] = repeat
                     runs.append(result)
-                    print('{method:<16} workers {workers}: {rows_per_s:8.0f} '
+                    print('{:<19} workers {workers}: {rows_per_s:8.0f} '
                           'rows/s, peak PSS {peak_pss_mb:6.0f} MB, local '
-                          '{peak_local_mb:5.0f} MB'.format(**result), flush=True)
+                          '{peak_local_mb:5.0f} MB'.format(label(result), **result),
+                          flush=True)
     for factor in ((1, args.growth) if args.growth else ()):
         result = _measure(config_for('ours-local', max(args.workers),
                                      args.batches * factor, dataset_dir),
@@ -642,6 +661,13 @@ def main(argv=None) -> int:
               'versions': _versions(petastorm_python)}
     _write_report(report, args.out)
     return 0
+
+
+def _method_windows(args):
+    """``(method, window)`` of every run of one repeat: ours at each window."""
+    return [(method, window) for method in args.methods
+            for window in (args.windows if method.startswith('ours')
+                           else [args.window])]
 
 
 def _generated(workdir: str, rows: int, files: int, row_group_mb: float,

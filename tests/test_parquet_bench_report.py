@@ -1,0 +1,39 @@
+"""The Parquet benchmark's report: runs of ours at several windows stay apart."""
+from chainer_prefetch_bench.parquet import bench
+
+
+def _run(method, window, rows_per_s, workers=2):
+    return {'method': method, 'window': window, 'workers': workers,
+            'rows': 100000, 'rows_per_s': rows_per_s, 'peak_rss_mb': 1.0,
+            'peak_pss_mb': 1.0, 'peak_local_mb': 0.0, 'first_batch_s': 0.5,
+            'row_groups_per_batch': 1.0, 'duplicates_in_batches': 0}
+
+
+def test_medians_are_taken_per_window_and_compared_with_the_same_peer():
+    runs = [_run('ours-local', 1, speed) for speed in (30.0, 50.0, 40.0)]
+    runs += [_run('ours-local', 4, speed) for speed in (10.0, 20.0, 30.0)]
+    runs += [_run('petastorm', None, speed) for speed in (20.0, 20.0, 20.0)]
+    medians = {bench.label(run): run for run in bench.median_runs(runs)}
+    assert sorted(medians) == ['ours-local w1', 'ours-local w4', 'petastorm']
+    assert medians['ours-local w1']['rows_per_s'] == 40.0
+    assert medians['ours-local w4']['rows_per_s'] == 20.0
+    assert medians['ours-local w1']['repeats'] == 3
+    table = bench.format_table(list(medians.values()))
+    line_w1 = next(line for line in table.splitlines()
+                   if line.startswith('ours-local w1'))
+    assert '2.00x' in line_w1
+
+
+def test_a_report_without_windows_reads_as_before():
+    runs = [_run('petastorm', None, 20.0), _run('ours-local', None, 30.0)]
+    del runs[1]['window']
+    assert [bench.label(run) for run in bench.median_runs(runs)] == [
+        'petastorm', 'ours-local']
+
+
+def test_every_ours_method_runs_at_every_window_and_the_others_once():
+    args = bench.parse_args(['--window', '1,4', '--methods',
+                             'ours-local,petastorm,ours-shared'])
+    assert bench._method_windows(args) == [
+        ('ours-local', 1), ('ours-local', 4), ('petastorm', 4),
+        ('ours-shared', 1), ('ours-shared', 4)]
