@@ -69,8 +69,9 @@ whole batch is one :class:`LoadColumns` task (answer:
 :class:`ColumnsLoaded`): the loader process writes its columns into the
 batch's buffer (``example_bytes`` per row), and the batch is delivered as
 one :class:`~chainer_prefetch.columnar.ColumnarBatch`.  The decode window
-is then ``config.decode_window`` batches (one task each), so that every
-loader process can have a batch.  The next-epoch cache is not used.
+is then ``config.decode_window`` batches (one task each; the iterator asks
+for two per loader process, so that each has one queued while it loads
+another).  The next-epoch cache is not used.
 """
 import collections
 import dataclasses

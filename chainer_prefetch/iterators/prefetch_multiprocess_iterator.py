@@ -244,7 +244,9 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             limited=self._store is not None and self._store.limited,
             item_of=self._item_of, example_bytes=settings.shared_mem,
             revalidate_each_epoch=settings.recheck_sources == 'each_epoch',
-            columnar=settings.columnar, decode_window=settings.n_processes)
+            # Columnar batches: two tasks per loader process, one loading
+            # and one queued, so that none idles while its answer travels.
+            columnar=settings.columnar, decode_window=2 * settings.n_processes)
         self._executor = _executor.Executor(
             settings, _scheduler.Scheduler(config, self._state, cache),
             self._store, self._files, self._located_dataset, self._stop_event)
