@@ -194,15 +194,27 @@ def test_batches_come_in_chainers_order(staging):
     assert driver.run(9) == chainer_batches(10, 3, 0, 9)
 
 
-def test_the_copy_window_opens_one_batch_per_delivery():
+def test_the_copy_window_opens_one_batch_per_delivery_while_copies_run():
     driver = Driver(n=60, batch_size=3, staging=True, n_copy_ahead=6)
     copied_batches = {copy.access // 3 for copy in driver.copies.values()}
     assert copied_batches == {0, 1}  # slow start: the decode window only
-    driver.run(1)  # one delivered: one more batch may be copied
+    for copy in [copy for copy in driver.copies.values() if copy.access < 3]:
+        driver.finish_copy(copy.copy_id)
+    while not driver.delivered:
+        driver.finish_load()
+    # One delivered, batch 1's copies still running: one more batch.
     assert max(copy.access // 3 for copy in driver.copies.values()) == 3
     driver.run(10)
     # At most n_copy_ahead batches generated ahead of the deliveries.
     assert driver.scheduler.generated - driver.scheduler.delivered <= 6
+
+
+def test_the_copy_window_opens_wholly_once_stage_2_is_idle():
+    driver = Driver(n=60, batch_size=3, staging=True, n_copy_ahead=6)
+    driver.run(1)  # every copy of batches 0 and 1 done, batch 0 delivered
+    # Nothing in flight to take bandwidth from: n_copy_ahead batches ahead.
+    assert driver.scheduler.generated - driver.scheduler.delivered == 6
+    assert max(copy.access // 3 for copy in driver.copies.values()) == 6
 
 
 def test_a_slow_copy_holds_back_only_its_own_batch():

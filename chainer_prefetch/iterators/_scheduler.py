@@ -43,7 +43,10 @@ Counted in batches since the last reset, and monotone between resets::
 
 The copy window opens one batch per batch delivered ("slow start": at
 start-up, copies for batches far ahead would take bandwidth from those the
-first batch needs).  :meth:`Scheduler.check_invariants` asserts all of this.
+first batch needs), and opens wholly once stage 2 is idle (no copy in
+flight) after a delivery: then there is no bandwidth to take from, and few
+large items (Parquet row groups) would otherwise be copied one at a time.
+:meth:`Scheduler.check_invariants` asserts all of this.
 
 Shared memory
 -------------
@@ -575,6 +578,7 @@ class Scheduler:
         self._exhausted = False
         self.taken = self.delivered = self.generated = 0
         self._delivered_ever = 0  # batches delivered since the start (slow start)
+        self._slow_start_over = False  # the copy window is wholly open
         if config.columnar and cache is not None:
             raise ValueError('columnar batches do not use the next-epoch cache')
         self._decode_window = (max(DECODE_WINDOW, config.decode_window)
@@ -785,6 +789,8 @@ class Scheduler:
     # ---- moving things along ------------------------------------------------
 
     def _advance(self):
+        if self._delivered_ever and not self._copying:
+            self._slow_start_over = True
         while True:
             self._generate()
             self._cancel_head_copies()
@@ -798,6 +804,8 @@ class Scheduler:
                 return
 
     def _copy_window(self) -> int:
+        if self._slow_start_over:
+            return self.config.n_copy_ahead
         return min(self.config.n_copy_ahead,
                    self._decode_window + self._delivered_ever)
 

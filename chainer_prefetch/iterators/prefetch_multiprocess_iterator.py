@@ -110,6 +110,10 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             (12 and 16 performed alike, 8 did not).
         n_copy_ahead (int): How many batches stages 1-2 may run ahead of
             training.  Bounds memory and the files staged but not yet used.
+            At start-up the window opens one batch per batch delivered, and
+            wholly once no copy is in flight.  For Parquet row groups, at
+            least the rows of one row group (in batches), so that the next
+            one is made while the current one is read.
         local_capacity (int): Limit in bytes of the copies under
             ``local_dir``, for nodes whose local storage is smaller than the
             dataset.  The limit is per directory and enforced jointly by
