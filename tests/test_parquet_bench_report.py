@@ -1,4 +1,7 @@
 """The Parquet benchmark's report: runs of ours at several windows stay apart."""
+import subprocess
+import sys
+
 from chainer_prefetch_bench.parquet import bench
 
 
@@ -37,3 +40,22 @@ def test_every_ours_method_runs_at_every_window_and_the_others_once():
     assert bench._method_windows(args) == [
         ('ours-local', 1), ('ours-local', 4), ('petastorm', 4),
         ('ours-shared', 1), ('ours-shared', 4)]
+
+
+def test_the_cpu_column_shows_the_median_and_a_dash_for_runs_without_it():
+    runs = [dict(_run('petastorm', None, 20.0), cpu_s=cpu)
+            for cpu in (4.0, 6.0, 5.0)]
+    old = _run('ours-local', 1, 30.0)  # a bench.json from before cpu_s
+    table = bench.format_table(bench.median_runs(runs + [old]))
+    rows = {line.split()[0]: line.split() for line in table.splitlines()[1:3]}
+    assert rows['petastorm'][4] == '5.0'
+    assert rows['ours-local'][5] == '-'
+
+
+def test_cpu_seconds_count_a_child_that_ended():
+    before = bench._cpu_seconds()
+    child = subprocess.run(
+        [sys.executable, '-c', 'import time\nsum(range(5_000_000))\n'
+         'print(time.process_time())'],
+        check=True, capture_output=True, text=True)
+    assert bench._cpu_seconds() - before >= float(child.stdout)

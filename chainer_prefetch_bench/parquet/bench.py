@@ -48,7 +48,9 @@ and of PSS, which counts a page shared by several processes once) every
 0.2 s and reports the peaks, and
 the bytes in ours' local directory (``peak_local_mb``: memory too when the
 directory is on tmpfs).  The page cache of the dataset is dropped before
-each run.  ``--growth K`` adds runs of ``ours-local`` reading K times the
+each run.  ``cpu_s`` is the CPU time (user and system) of the run's
+threads and processes, from the start of its clock to the end of its
+teardown.  ``--growth K`` adds runs of ``ours-local`` reading K times the
 rows, to show that its memory stays flat.
 
 Coverage (the blog's Tables 4 and 5) is measured by running the loaders on
@@ -276,6 +278,18 @@ def _import_libraries(method: str) -> None:
         import pandas  # noqa: F401
 
 
+def _cpu_seconds() -> float:
+    """CPU time (user + system) of this process and of its children that ended.
+
+    Counts every thread (Petastorm's pool, Arrow's) and the loader processes
+    of ours (ended and reaped when the iterator is finalized).
+    """
+    import resource
+    return sum(usage.ru_utime + usage.ru_stime for usage in (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
 def run_one(config: Dict) -> Dict:
     """Runs one configuration in this process; returns its measurements.
 
@@ -290,6 +304,7 @@ def run_one(config: Dict) -> Dict:
     n_rows = int(sizes.sum())
     _import_libraries(config['method'])
     started = time.perf_counter()
+    cpu_started = _cpu_seconds()
     first_batch_s = None
     rows = duplicates_in_batches = 0
     groups_per_batch = []
@@ -315,11 +330,13 @@ def run_one(config: Dict) -> Dict:
         seconds = time.perf_counter() - started
     finally:
         batches.close()
+    cpu_seconds = _cpu_seconds() - cpu_started
     return {'method': config['method'], 'workers': config['workers'],
             'window': (config['window'] if config['method'].startswith('ours')
                        else None),
             'rows': rows, 'seconds': round(seconds, 3),
             'rows_per_s': round(rows / seconds, 1),
+            'cpu_s': round(cpu_seconds, 2),
             'first_batch_s': round(first_batch_s, 3),
             'duplicates_in_batches': int(duplicates_in_batches),
             'unique_ids_per_batch': 1 - duplicates_in_batches / rows,
@@ -383,7 +400,7 @@ def compare_backends(files: List[str], repeats: int = 3) -> List[Dict]:
 # ---------------------------------------------------------------- report
 
 MEDIAN_FIELDS = ('rows_per_s', 'peak_rss_mb', 'peak_pss_mb', 'peak_local_mb',
-                 'first_batch_s', 'row_groups_per_batch')
+                 'first_batch_s', 'row_groups_per_batch', 'cpu_s')
 
 
 def label(run: Dict) -> str:
@@ -420,24 +437,27 @@ def median_runs(runs: List[Dict]) -> List[Dict]:
 def format_table(runs: List[Dict]) -> str:
     """The throughput table (medians), with ratios to Petastorm on the same storage."""
     speed = {(run['method'], run['workers']): run['rows_per_s'] for run in runs}
-    lines = ['{:<19} {:>7} {:>9} {:>10} {:>9} {:>9} {:>9} {:>8} {:>9} {:>8}'
-             .format('method', 'workers', 'rows/s', 'vs peer', 'RSS MB',
+    lines = ['{:<19} {:>7} {:>9} {:>10} {:>6} {:>9} {:>9} {:>9} {:>8} {:>9} {:>8}'
+             .format('method', 'workers', 'rows/s', 'vs peer', 'CPU s', 'RSS MB',
                      'PSS MB', 'local MB', '1st b s', 'dup/batch', 'RG/batch')]
     for run in runs:
         peer = PEERS.get(run['method'])
         base = speed.get((peer, run['workers']))
         ratio = '{:>9.2f}x'.format(run['rows_per_s'] / base) if base else (
             '{:>10}'.format('-'))
-        lines.append('{:<19} {:>7} {:>9.0f} {} {:>9.0f} {:>9.0f} {:>9.0f} '
+        cpu = ('{:>6.1f}'.format(run['cpu_s']) if run.get('cpu_s')
+               else '{:>6}'.format('-'))  # runs from before it was measured
+        lines.append('{:<19} {:>7} {:>9.0f} {} {} {:>9.0f} {:>9.0f} {:>9.0f} '
                      '{:>8.2f} {:>9} {:>8.2f}'.format(
                          label(run), run['workers'], run['rows_per_s'],
-                         ratio, run['peak_rss_mb'], run['peak_pss_mb'],
+                         ratio, cpu, run['peak_rss_mb'], run['peak_pss_mb'],
                          run.get('peak_local_mb', 0), run['first_batch_s'],
                          run['duplicates_in_batches'],
                          run['row_groups_per_batch']))
     lines.append('"vs peer": rows/s over Petastorm\'s on the same storage at the '
                  'same workers (petastorm for local files, petastorm-shared '
-                 'through the emulated storage)')
+                 'through the emulated storage); "CPU s": CPU time of all the '
+                 "run's threads and processes")
     return '\n'.join(lines)
 
 
@@ -622,8 +642,9 @@ def main(argv=None) -> int:
                     result['repeat'] = repeat
                     runs.append(result)
                     print('{:<19} workers {workers}: {rows_per_s:8.0f} '
-                          'rows/s, peak PSS {peak_pss_mb:6.0f} MB, local '
-                          '{peak_local_mb:5.0f} MB'.format(label(result), **result),
+                          'rows/s, CPU {cpu_s:5.1f} s, peak PSS {peak_pss_mb:6.0f} '
+                          'MB, local {peak_local_mb:5.0f} MB'.format(
+                              label(result), **result),
                           flush=True)
     for factor in ((1, args.growth) if args.growth else ()):
         result = _measure(config_for('ours-local', max(args.workers),
