@@ -59,3 +59,18 @@ def test_cpu_seconds_count_a_child_that_ended():
          'print(time.process_time())'],
         check=True, capture_output=True, text=True)
     assert bench._cpu_seconds() - before >= float(child.stdout)
+
+
+def test_later_epochs_are_timed_from_the_first_epochs_end():
+    # 1,000 rows per epoch; 2,500 read in 10 s, the first epoch ended at 4 s.
+    assert bench._later_epochs_rows_per_s(2500, 10.0, 1000, [4.0, 8.0]) == 250.0
+    assert bench._later_epochs_rows_per_s(900, 10.0, 1000, []) is None
+    assert bench._later_epochs_rows_per_s(1000, 10.0, 1000, [10.0]) is None
+    runs = [dict(_run('ours-local', 1, 10.0), later_epochs_rows_per_s=60.0),
+            dict(_run('petastorm', None, 10.0), later_epochs_rows_per_s=20.0),
+            dict(_run('petastorm', None, 10.0), later_epochs_rows_per_s=None)]
+    medians = bench.median_runs(runs)
+    table = bench.format_later_epochs(medians)
+    line = next(line for line in table.splitlines()
+                if line.startswith('ours-local w1'))
+    assert line.split()[-1] == '3.00x'  # the run without it is left out

@@ -79,7 +79,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from chainer_prefetch_bench.parquet import petastorm_env
 from chainer_prefetch_bench.testbed import parquet_dataset, storage
@@ -131,7 +131,8 @@ def _open_ours(config: Dict, columns: List[str]):
         iterator = PrefetchMultiprocessIterator(
             dataset, BATCH_SIZE, n_processes=config['workers'],
             order_sampler=sampler, local_dir=config['local_dir'],
-            local_capacity=(2 * window + 2) * largest, n_copy_ahead=ahead,
+            local_capacity=(config.get('local_row_groups') or 2 * window + 2)
+            * largest, n_copy_ahead=ahead,
             columnar=config['method'] != 'ours-rows')
     return iterator, dataset
 
@@ -290,6 +291,21 @@ def _cpu_seconds() -> float:
         resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
+def _later_epochs_rows_per_s(rows: int, seconds: float, n_rows: int,
+                             epoch_seconds: List[float]) -> Optional[float]:
+    """Rows/s after the first epoch's worth of rows (``None`` if none followed).
+
+    Args:
+        rows: Rows read in the run.
+        seconds: The run's duration.
+        n_rows: Rows of one epoch.
+        epoch_seconds: When each whole epoch's worth of rows was reached.
+    """
+    if not epoch_seconds or rows <= n_rows or seconds <= epoch_seconds[0]:
+        return None
+    return round((rows - n_rows) / (seconds - epoch_seconds[0]), 1)
+
+
 def run_one(config: Dict) -> Dict:
     """Runs one configuration in this process; returns its measurements.
 
@@ -310,6 +326,7 @@ def run_one(config: Dict) -> Dict:
     groups_per_batch = []
     seen = numpy.zeros(n_rows, dtype=bool)
     coverage = []
+    epoch_seconds = []  # when each whole epoch's worth of rows was reached
     staging = {}  # what stage 2 did (ours)
     batches = _batches(config, columns, staging)
     try:
@@ -321,6 +338,8 @@ def run_one(config: Dict) -> Dict:
             duplicates_in_batches += len(ids) - len(numpy.unique(ids))
             groups_per_batch.append(len(numpy.unique(row_group_of_id[ids])))
             seen[ids] = True
+            if rows >= (len(epoch_seconds) + 1) * n_rows:
+                epoch_seconds.append(time.perf_counter() - started)
             if config.get('epochs') and rows >= (len(coverage) + 1) * n_rows:
                 coverage.append(float(seen.mean()))
                 if len(coverage) == config['epochs']:
@@ -337,6 +356,8 @@ def run_one(config: Dict) -> Dict:
             'rows': rows, 'seconds': round(seconds, 3),
             'rows_per_s': round(rows / seconds, 1),
             'cpu_s': round(cpu_seconds, 2),
+            'later_epochs_rows_per_s': _later_epochs_rows_per_s(
+                rows, seconds, n_rows, epoch_seconds),
             'first_batch_s': round(first_batch_s, 3),
             'duplicates_in_batches': int(duplicates_in_batches),
             'unique_ids_per_batch': 1 - duplicates_in_batches / rows,
@@ -400,7 +421,8 @@ def compare_backends(files: List[str], repeats: int = 3) -> List[Dict]:
 # ---------------------------------------------------------------- report
 
 MEDIAN_FIELDS = ('rows_per_s', 'peak_rss_mb', 'peak_pss_mb', 'peak_local_mb',
-                 'first_batch_s', 'row_groups_per_batch', 'cpu_s')
+                 'first_batch_s', 'row_groups_per_batch', 'cpu_s',
+                 'later_epochs_rows_per_s')
 
 
 def label(run: Dict) -> str:
@@ -424,8 +446,9 @@ def median_runs(runs: List[Dict]) -> List[Dict]:
     for group in grouped.values():
         run = dict(group[0])
         for field in MEDIAN_FIELDS:
-            values = [r.get(field, 0.0) for r in group]
-            run[field] = statistics.median(values)
+            values = [r.get(field, 0.0) for r in group
+                      if r.get(field, 0.0) is not None]  # None: not measured
+            run[field] = statistics.median(values) if values else None
         run['duplicates_in_batches'] = sum(r['duplicates_in_batches']
                                            for r in group)
         run['rows_per_s_all'] = [r['rows_per_s'] for r in group]
@@ -441,10 +464,7 @@ def format_table(runs: List[Dict]) -> str:
              .format('method', 'workers', 'rows/s', 'vs peer', 'CPU s', 'RSS MB',
                      'PSS MB', 'local MB', '1st b s', 'dup/batch', 'RG/batch')]
     for run in runs:
-        peer = PEERS.get(run['method'])
-        base = speed.get((peer, run['workers']))
-        ratio = '{:>9.2f}x'.format(run['rows_per_s'] / base) if base else (
-            '{:>10}'.format('-'))
+        ratio = _vs_peer(run, speed, 'rows_per_s')
         cpu = ('{:>6.1f}'.format(run['cpu_s']) if run.get('cpu_s')
                else '{:>6}'.format('-'))  # runs from before it was measured
         lines.append('{:<19} {:>7} {:>9.0f} {} {} {:>9.0f} {:>9.0f} {:>9.0f} '
@@ -458,6 +478,26 @@ def format_table(runs: List[Dict]) -> str:
                  'same workers (petastorm for local files, petastorm-shared '
                  'through the emulated storage); "CPU s": CPU time of all the '
                  "run's threads and processes")
+    return '\n'.join(lines)
+
+
+def _vs_peer(run: Dict, speed: Dict, field: str) -> str:
+    """``run[field]`` over that of Petastorm on the same storage and workers."""
+    base = speed.get((PEERS.get(run['method']), run['workers']))
+    return ('{:>9.2f}x'.format(run[field] / base) if base and run.get(field)
+            else '{:>10}'.format('-'))
+
+
+def format_later_epochs(runs: List[Dict]) -> str:
+    """Rows/s after the first epoch's worth (medians), against Petastorm's."""
+    speed = {(run['method'], run['workers']): run['later_epochs_rows_per_s']
+             for run in runs}
+    lines = ['{:<19} {:>7} {:>9} {:>10}'.format(
+        'method', 'workers', 'rows/s', 'vs peer')]
+    for run in runs:
+        lines.append('{:<19} {:>7} {:>9.0f} {}'.format(
+            label(run), run['workers'], run['later_epochs_rows_per_s'],
+            _vs_peer(run, speed, 'later_epochs_rows_per_s')))
     return '\n'.join(lines)
 
 
@@ -554,6 +594,10 @@ def parse_args(argv):
     parser.add_argument('--growth', type=int, default=10,
                         help='also run ours-local at the most workers reading '
                         'this many times the rows (0: not)')
+    parser.add_argument('--local-row-groups', type=int, default=0,
+                        help="ours' local_capacity in row groups (0: twice "
+                        'the window and 2; the number of row groups keeps '
+                        'every one staged for the later epochs)')
     parser.add_argument('--copy-ahead', type=int, default=0,
                         help="ours' n_copy_ahead in batches (0: the rows of "
                         'the largest row group)')
@@ -627,7 +671,8 @@ def main(argv=None) -> int:
                 'columns': columns, 'batches': batches, 'window': window,
                 'num_cached_parquet': args.num_cached_parquet,
                 'local_dir': local_dir, 'seed': 0, 'row_group_sizes': sizes,
-                'copy_ahead': args.copy_ahead}
+                'copy_ahead': args.copy_ahead,
+                'local_row_groups': args.local_row_groups}
 
     with storage.mounted(dataset_dir, mountpoint, preset=args.preset):
         for repeat in range(args.repeats):
@@ -788,6 +833,11 @@ def _write_report(report: Dict, out: str) -> None:
     os.makedirs(out, exist_ok=True)
     table = 'Medians of {} runs:\n{}'.format(report['repeats'],
                                              format_table(report['medians']))
+    later = [run for run in report['medians']
+             if run.get('later_epochs_rows_per_s')]
+    if later:
+        table += ("\n\nRows/s after the first epoch's worth of rows:\n"
+                  + format_later_epochs(later))
     if report.get('growth_runs'):
         table += '\n\nMemory as the rows read grow:\n' + format_growth(
             report['growth_runs'])
