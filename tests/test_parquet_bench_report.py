@@ -74,3 +74,9 @@ def test_later_epochs_are_timed_from_the_first_epochs_end():
     line = next(line for line in table.splitlines()
                 if line.startswith('ours-local w1'))
     assert line.split()[-1] == '3.00x'  # the run without it is left out
+
+
+def test_runs_of_an_older_version_without_a_field_do_not_pull_its_median():
+    runs = [dict(_run('petastorm', None, 20.0), cpu_s=cpu) for cpu in (4.0, 6.0)]
+    runs.append(_run('petastorm', None, 20.0))  # no cpu_s
+    assert bench.median_runs(runs)[0]['cpu_s'] == 5.0

@@ -174,6 +174,24 @@ def test_a_row_group_read_in_parallel_pieces_equals_arrows_own_read(
             assert ours.equals(arrows), (columns, group)
 
 
+def test_only_the_selected_column_chunks_are_read(tmp_path, monkeypatch):
+    path = str(tmp_path / 'wide.parquet')
+    rows = 200
+    table = pyarrow.table({
+        'id': np.arange(rows),
+        'blob': [os.urandom(20000) for _ in range(rows)],  # 4 MB between
+        'label': np.arange(rows) % 7})
+    pyarrow.parquet.write_table(table, path, compression='none')
+    metadata = pyarrow.parquet.read_metadata(path)
+    _, chunks = parquet_module._selected_chunks(metadata, 0, ['id', 'label'])
+    ranges = parquet_module._RowGroupBytes.ranges(chunks, os.path.getsize(path))
+    assert len(ranges) == 2  # 'blob' lies between them and is not read
+    assert sum(end - start for start, end in ranges) < 20000
+    monkeypatch.setattr(parquet_module, 'READ_PIECE_BYTES', 64)
+    ours = parquet_module.read_row_group(path, 0, ['id', 'label'])
+    assert ours.equals(table.select(['id', 'label']))
+
+
 def test_a_file_cut_short_after_its_footer_was_read_is_named(shop, tmp_path):
     directory = _copy_of(shop, tmp_path)
     victim = os.path.join(directory, 'part-00002.parquet')

@@ -30,6 +30,7 @@ size in the footer and settled with the real size).
 With any other iterator (e.g. Chainer's ``MultiprocessIterator``) each process
 reads the Parquet files directly, with its own bounded cache.
 """
+import bisect
 import collections
 import concurrent.futures
 import contextlib
@@ -166,6 +167,12 @@ def _selected_chunks(metadata, row_group: int, columns: Sequence[str]):
 READ_PIECE_BYTES = 4 << 20
 #: ... at most this many at a time.
 READ_THREADS = 8
+#: Selected column chunks closer than this are read as one range (the
+#: bytes between them too: one request instead of two).
+MERGE_GAP_BYTES = 1 << 20
+#: Arrow reads up to this many bytes past a column chunk (files of old
+#: parquet-mr writers misstate chunk sizes), so each range covers them.
+CHUNK_PADDING_BYTES = 100
 
 
 class _RowGroupBytes:
@@ -173,69 +180,101 @@ class _RowGroupBytes:
 
     Shared file systems (Lustre, GPFS, NFS, FUSE) serve one stream of reads
     far below their bandwidth: each request waits its latency.  Reading the
-    span of the chunks as several pieces at once hides that latency (through
-    the emulated shared storage: 0.9 s instead of 2.0 s for 88 MB with one
+    chunks as several pieces at once hides that latency (through the
+    emulated shared storage: 0.9 s instead of 2.0 s for 88 MB with one
     stream, and 3.0-3.4 s for PyArrow's own reads of the same row group).
-    The object is then the file-like PyArrow decodes from (``read`` at
-    positions inside the span; the footer comes from the metadata given).
+    Only the selected chunks are read (neighbours closer than
+    ``MERGE_GAP_BYTES`` as one range).  The object is then the file-like
+    PyArrow decodes from (``read`` at positions inside a range; the footer
+    comes from the metadata given).
 
     Args:
-        data: The bytes of the span (uint8).
-        start: The span's offset in the file.
+        data: The bytes of the ranges, one after another (uint8).
+        ranges: ``(start, end)`` of each range in the file, sorted.
         size: The file's size.
         path: The file (for messages).
     """
 
-    def __init__(self, data: numpy.ndarray, start: int, size: int, path: str):
+    def __init__(self, data: numpy.ndarray, ranges: Sequence[Tuple[int, int]],
+                 size: int, path: str):
         self._data = memoryview(data)
-        self._start = start
+        self._ranges = list(ranges)
+        self._starts = [start for start, _ in self._ranges]
+        self._offsets = numpy.cumsum([0] + [end - start
+                                            for start, end in self._ranges])
         self._size = size
         self._path = path
         self._position = 0
         self.closed = False
 
+    @staticmethod
+    def ranges(chunks, size: int) -> List[Tuple[int, int]]:
+        """The byte ranges to read for ``chunks`` of a file of ``size`` bytes."""
+        spans = []
+        for chunk in chunks:
+            start = _chunk_start(chunk)
+            end = start + chunk.total_compressed_size  # a file cut short: EIO
+            spans.append((start, max(end, min(size, end + CHUNK_PADDING_BYTES))))
+        spans.sort()
+        merged: List[Tuple[int, int]] = []
+        for start, end in spans:
+            if merged and start - merged[-1][1] < MERGE_GAP_BYTES:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        return merged
+
     @classmethod
     def load(cls, path: str, chunks) -> '_RowGroupBytes':
-        """Reads the span of ``chunks`` (column chunk metadata) of ``path``.
+        """Reads ``chunks`` (column chunk metadata) of ``path``.
 
         Raises:
-            OSError: the file cannot be read, or ends before the span does.
+            OSError: the file cannot be read, or ends inside a chunk.
         """
-        start = min(_chunk_start(chunk) for chunk in chunks) if chunks else 0
-        end = max(_chunk_start(chunk) + chunk.total_compressed_size
-                  for chunk in chunks) if chunks else 0
-        # Not bytearray(n): it zero-fills every page while holding the GIL
-        # (60 ms for 88 MB, a stall for every other thread of the training
-        # process); these pages are first touched by the reads, without it.
-        data = numpy.empty(end - start, dtype=numpy.uint8)
-        view = memoryview(data)
-        pieces = max(1, min(READ_THREADS, len(data) // READ_PIECE_BYTES))
-        bounds = [len(data) * k // pieces for k in range(pieces + 1)]
         fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
+            ranges = cls.ranges(chunks, size)
+            # Not bytearray(n): it zero-fills every page while holding the GIL
+            # (60 ms for 88 MB, a stall for every other thread of the training
+            # process); these pages are first touched by the reads, without it.
+            data = numpy.empty(sum(end - start for start, end in ranges),
+                               dtype=numpy.uint8)
+            view = memoryview(data)
+            pieces = []  # (offset in the file, in data, length)
+            offset = 0
+            for start, end in ranges:
+                count = max(1, min(READ_THREADS, (end - start) // READ_PIECE_BYTES))
+                bounds = [(end - start) * k // count for k in range(count + 1)]
+                pieces += [(start + low, offset + low, high - low)
+                           for low, high in zip(bounds, bounds[1:])]
+                offset += end - start
 
-            def read_piece(k):
-                done, stop = bounds[k], bounds[k + 1]
-                while done < stop:
-                    got = os.preadv(fd, [view[done:stop]], start + done)
+            def read_piece(piece):
+                at, into, length = piece
+                done = 0
+                while done < length:
+                    got = os.preadv(fd, [view[into + done:into + length]],
+                                    at + done)
                     if got == 0:
                         raise OSError(errno.EIO, 'file ends at {} bytes, inside '
-                                      'the row group ({} to {})'.format(
-                                          start + done, start, end), path)
+                                      'a column chunk ({} to {})'.format(
+                                          at + done, at, at + length), path)
                     done += got
 
-            if pieces == 1:
-                read_piece(0)
+            if len(pieces) <= 1:  # one piece, or no column chunk at all
+                for piece in pieces:
+                    read_piece(piece)
             else:
                 with concurrent.futures.ThreadPoolExecutor(
-                        pieces, thread_name_prefix='chainer_prefetch-read') as pool:
-                    for future in [pool.submit(read_piece, k)
-                                   for k in range(pieces)]:
+                        min(READ_THREADS, len(pieces)),
+                        thread_name_prefix='chainer_prefetch-read') as pool:
+                    for future in [pool.submit(read_piece, piece)
+                                   for piece in pieces]:
                         future.result()
         finally:
             os.close(fd)
-        return cls(data, start, size, path)
+        return cls(data, ranges, size, path)
 
     def seek(self, position, whence=0):
         self._position = (position if whence == 0 else self._position + position
@@ -246,14 +285,15 @@ class _RowGroupBytes:
         return self._position
 
     def read(self, nbytes=-1):
-        begin = self._position - self._start
         if nbytes is None or nbytes < 0:
             nbytes = self._size - self._position
-        if begin < 0 or begin + nbytes > len(self._data):
-            raise OSError(errno.EIO, 'read of {} bytes at {} outside the row '
-                          'group read ({} to {})'.format(
-                              nbytes, self._position, self._start,
-                              self._start + len(self._data)), self._path)
+        which = bisect.bisect_right(self._starts, self._position) - 1
+        start, end = self._ranges[which] if which >= 0 else (0, 0)
+        if which < 0 or self._position + nbytes > end:
+            raise OSError(errno.EIO, 'read of {} bytes at {} outside the column '
+                          'chunks read ({})'.format(
+                              nbytes, self._position, self._ranges), self._path)
+        begin = int(self._offsets[which]) + self._position - start
         self._position += nbytes
         return self._data[begin:begin + nbytes]
 

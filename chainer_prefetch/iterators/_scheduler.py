@@ -39,7 +39,9 @@ Counted in batches since the last reset, and monotone between resets::
     0 <= taken <= delivered <= generated
     delivered - taken     <= n_prefetch        (the mailbox)
     generated - delivered <= copy window <= n_copy_ahead
-    loads run only for batches < delivered + DECODE_WINDOW
+    loads run only for batches < delivered + the decode window
+                                  (DECODE_WINDOW; config.decode_window
+                                  for columnar batches)
 
 The copy window opens one batch per batch delivered ("slow start": at
 start-up, copies for batches far ahead would take bandwidth from those the
@@ -668,6 +670,7 @@ class Scheduler:
                 self._emit(Used(event.item, 0, NEVER))
             return
         del self._copying[event.item]
+        self._end_slow_start_if_idle()
         epoch = self._epoch_of(copy.access)
         self.by_epoch[epoch]['bytes_copied'] += event.bytes_read
         if event.staged:
@@ -789,8 +792,6 @@ class Scheduler:
     # ---- moving things along ------------------------------------------------
 
     def _advance(self):
-        if self._delivered_ever and not self._copying:
-            self._slow_start_over = True
         while True:
             self._generate()
             self._cancel_head_copies()
@@ -1070,7 +1071,17 @@ class Scheduler:
         self._in_flight.popleft()
         self.delivered += 1
         self._delivered_ever += 1
+        self._end_slow_start_if_idle()
         return outcome
+
+    def _end_slow_start_if_idle(self):
+        """Opens the copy window wholly once stage 2 is idle after a delivery.
+
+        Called when a copy ends or a batch is delivered, not on a reset
+        (which empties stage 2 too, at a position where nothing is staged).
+        """
+        if self._delivered_ever and not self._copying:
+            self._slow_start_over = True
 
     def _cache_wants(self, batch) -> Tuple[Tuple[int, int, int], ...]:
         if self.cache is None:

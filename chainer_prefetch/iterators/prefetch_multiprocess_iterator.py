@@ -88,9 +88,12 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         n_prefetch (int): Number of finished batches kept ready.
         shared_mem (int): Bytes of shared memory per example.  ``None``
             measures the first batch (which then travels by pickling); 0
-            pickles every batch.  Two batches' worth is allocated, as
-            anonymous memory (not in ``/dev/shm``); if it cannot be, a
-            warning says so and examples travel by pickling.
+            pickles every batch.  Each batch in flight gets a buffer of
+            ``batch_size`` examples' worth, allocated when first needed (at
+            most the batches loading at once, 2 or ``2 * n_processes`` for
+            columnar batches, plus ``n_prefetch`` plus 2), as anonymous
+            memory (not in ``/dev/shm``); if it cannot be, a warning says so
+            and examples travel by pickling.
         order_sampler (callable): ``(current_order, current_position) ->
             next_order``; cannot be combined with ``shuffle``.
         dataset_timeout (float): A :class:`TimeoutWarning` is issued when

@@ -446,9 +446,11 @@ def median_runs(runs: List[Dict]) -> List[Dict]:
     for group in grouped.values():
         run = dict(group[0])
         for field in MEDIAN_FIELDS:
-            values = [r.get(field, 0.0) for r in group
-                      if r.get(field, 0.0) is not None]  # None: not measured
-            run[field] = statistics.median(values) if values else None
+            # Fields a run did not measure (None, or absent from the
+            # bench.json of an older version) do not count.
+            values = [r[field] for r in group if r.get(field) is not None]
+            run[field] = (statistics.median(values) if values
+                          else group[0].get(field, 0.0))
         run['duplicates_in_batches'] = sum(r['duplicates_in_batches']
                                            for r in group)
         run['rows_per_s_all'] = [r['rows_per_s'] for r in group]
