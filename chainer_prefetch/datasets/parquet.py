@@ -37,6 +37,7 @@ import contextlib
 import errno
 import glob
 import hashlib
+import itertools
 import os
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -200,8 +201,9 @@ class _RowGroupBytes:
         self._data = memoryview(data)
         self._ranges = list(ranges)
         self._starts = [start for start, _ in self._ranges]
-        self._offsets = numpy.cumsum([0] + [end - start
-                                            for start, end in self._ranges])
+        # Where each range begins in ``data``.
+        self._offsets = list(itertools.accumulate(
+            (end - start for start, end in self._ranges[:-1]), initial=0))
         self._size = size
         self._path = path
         self._position = 0
@@ -240,15 +242,14 @@ class _RowGroupBytes:
             # process); these pages are first touched by the reads, without it.
             data = numpy.empty(sum(end - start for start, end in ranges),
                                dtype=numpy.uint8)
-            view = memoryview(data)
+            loaded = cls(data, ranges, size, path)
+            view = loaded._data
             pieces = []  # (offset in the file, in data, length)
-            offset = 0
-            for start, end in ranges:
+            for (start, end), offset in zip(ranges, loaded._offsets):
                 count = max(1, min(READ_THREADS, (end - start) // READ_PIECE_BYTES))
                 bounds = [(end - start) * k // count for k in range(count + 1)]
                 pieces += [(start + low, offset + low, high - low)
                            for low, high in zip(bounds, bounds[1:])]
-                offset += end - start
 
             def read_piece(piece):
                 at, into, length = piece
@@ -274,7 +275,7 @@ class _RowGroupBytes:
                         future.result()
         finally:
             os.close(fd)
-        return cls(data, ranges, size, path)
+        return loaded
 
     def seek(self, position, whence=0):
         self._position = (position if whence == 0 else self._position + position
@@ -288,12 +289,11 @@ class _RowGroupBytes:
         if nbytes is None or nbytes < 0:
             nbytes = self._size - self._position
         which = bisect.bisect_right(self._starts, self._position) - 1
-        start, end = self._ranges[which] if which >= 0 else (0, 0)
-        if which < 0 or self._position + nbytes > end:
+        if which < 0 or self._position + nbytes > self._ranges[which][1]:
             raise OSError(errno.EIO, 'read of {} bytes at {} outside the column '
                           'chunks read ({})'.format(
                               nbytes, self._position, self._ranges), self._path)
-        begin = int(self._offsets[which]) + self._position - start
+        begin = self._offsets[which] + self._position - self._starts[which]
         self._position += nbytes
         return self._data[begin:begin + nbytes]
 

@@ -461,12 +461,11 @@ def median_runs(runs: List[Dict]) -> List[Dict]:
 
 def format_table(runs: List[Dict]) -> str:
     """The throughput table (medians), with ratios to Petastorm on the same storage."""
-    speed = {(run['method'], run['workers']): run['rows_per_s'] for run in runs}
     lines = ['{:<19} {:>7} {:>9} {:>10} {:>6} {:>9} {:>9} {:>9} {:>8} {:>9} {:>8}'
              .format('method', 'workers', 'rows/s', 'vs peer', 'CPU s', 'RSS MB',
                      'PSS MB', 'local MB', '1st b s', 'dup/batch', 'RG/batch')]
     for run in runs:
-        ratio = _vs_peer(run, speed, 'rows_per_s')
+        ratio = _vs_peer(run, runs, 'rows_per_s')
         cpu = ('{:>6.1f}'.format(run['cpu_s']) if run.get('cpu_s')
                else '{:>6}'.format('-'))  # runs from before it was measured
         lines.append('{:<19} {:>7} {:>9.0f} {} {} {:>9.0f} {:>9.0f} {:>9.0f} '
@@ -483,23 +482,23 @@ def format_table(runs: List[Dict]) -> str:
     return '\n'.join(lines)
 
 
-def _vs_peer(run: Dict, speed: Dict, field: str) -> str:
+def _vs_peer(run: Dict, runs: List[Dict], field: str) -> str:
     """``run[field]`` over that of Petastorm on the same storage and workers."""
-    base = speed.get((PEERS.get(run['method']), run['workers']))
+    base = next((peer.get(field) for peer in runs
+                 if peer['method'] == PEERS.get(run['method'])
+                 and peer['workers'] == run['workers']), None)
     return ('{:>9.2f}x'.format(run[field] / base) if base and run.get(field)
             else '{:>10}'.format('-'))
 
 
 def format_later_epochs(runs: List[Dict]) -> str:
     """Rows/s after the first epoch's worth (medians), against Petastorm's."""
-    speed = {(run['method'], run['workers']): run['later_epochs_rows_per_s']
-             for run in runs}
     lines = ['{:<19} {:>7} {:>9} {:>10}'.format(
         'method', 'workers', 'rows/s', 'vs peer')]
     for run in runs:
         lines.append('{:<19} {:>7} {:>9.0f} {}'.format(
             label(run), run['workers'], run['later_epochs_rows_per_s'],
-            _vs_peer(run, speed, 'later_epochs_rows_per_s')))
+            _vs_peer(run, runs, 'later_epochs_rows_per_s')))
     return '\n'.join(lines)
 
 
