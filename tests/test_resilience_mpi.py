@@ -6,12 +6,15 @@ process of the run (ranks, replacements, watchdogs, ``prterun``) is left.
 Recovery runs use ``mpirun --with-ft ulfm`` (Open MPI 5 from PyPI).
 """
 import json
+import os
+import signal
 import sys
 import time
 
 import pytest
 
 import helpers
+from chainer_prefetch.resilience import launcher
 from chainer_prefetch.resilience.injection import read_events
 from chainer_prefetch_bench.testbed import mpi_launch
 from test_resilience_policy import processes_with
@@ -43,6 +46,53 @@ def _run(command, tmp_path, timeout=RUN_TIMEOUT):
     assert leftovers, 'processes left behind: {}'.format(
         processes_with(str(tmp_path)))
     return returncode, output, elapsed
+
+
+# ---- launching mpirun: session directories -------------------------------------
+
+def _tmpdir_environment(tmp_path):
+    """``mpi_launch.environment()`` with ``TMPDIR`` inside ``tmp_path``."""
+    tmpdir = tmp_path / 'tmpdir'
+    tmpdir.mkdir()
+    return dict(mpi_launch.environment(), TMPDIR=str(tmpdir)), tmpdir
+
+
+def _sessions(tmpdir):
+    return sorted(p.name for p in tmpdir.glob('ompi.*'))
+
+
+@pytest.mark.timeout(60)
+def test_a_launch_stopped_at_its_timeout_leaves_no_session_directory(
+        tmp_path):
+    # Open MPI 5 leaves $TMPDIR/ompi.<pid> behind when mpirun is killed;
+    # a later mpirun that gets the same pid then cannot start.
+    env, tmpdir = _tmpdir_environment(tmp_path)
+    marker = str(tmp_path / 'rank-marker')
+    command = _mpirun(1, [sys.executable, '-c', 'import time; time.sleep(60)',
+                          marker], ft=False)
+    status = launcher.run_once(command, 5, env)
+    assert status == -signal.SIGKILL
+    assert _sessions(tmpdir) == []
+    assert helpers.wait_until(lambda: not processes_with(marker), 10)
+
+
+@pytest.mark.timeout(60)
+def test_mpi_launch_keeps_session_directories_out_of_tmpdir(tmp_path):
+    env, tmpdir = _tmpdir_environment(tmp_path)
+    record = tmp_path / 'session-directory'
+    script = ('import os, sys, time\n'
+              'open(sys.argv[1], "w").write(os.environ["PMIX_SERVER_TMPDIR"])\n'
+              'time.sleep(60)\n')
+    command = _mpirun(1, [sys.executable, '-c', script, str(record)],
+                      ft=False)
+    _, output, timed_out = mpi_launch.run(
+        command, 30, cwd=str(tmp_path), env=env,
+        done=lambda: record.exists() and record.read_text() != '')
+    assert not timed_out, output
+    session = record.read_text()
+    assert not session.startswith(str(tmpdir)), session
+    assert not os.path.exists(session), 'left behind: ' + session
+    assert _sessions(tmpdir) == []
 
 
 # ---- the ULFM startup check ---------------------------------------------------

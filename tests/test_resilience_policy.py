@@ -208,7 +208,6 @@ def test_launcher_relaunches_until_success(tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.timeout(60)
 def test_launcher_ends_its_launch_when_terminated(tmp_path):
     base = str(tmp_path / 'launch')
     marker = base + '-child'  # only in the launched grandchild's arguments

@@ -14,6 +14,7 @@ The launch count is passed to the job as ``CHAINER_PREFETCH_RESTART``
 (0 for the first launch); failure injection only happens in launch 0.
 """
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -36,28 +37,57 @@ def restart_count(environ: Optional[Dict[str, str]] = None) -> int:
             RESTART_VARIABLE, value)) from None
 
 
+STOP_GRACE_SECONDS = 5.0
+"""How long a stopped launch has between SIGTERM and SIGKILL."""
+
+
+def stop_group(process: subprocess.Popen,
+               grace: float = STOP_GRACE_SECONDS) -> None:
+    """Stops the process group led by ``process`` and reaps its leader.
+
+    SIGTERM first, so that ``mpirun`` can stop its ranks and remove its
+    session directory (Open MPI 5 leaves ``$TMPDIR/ompi.<pid>`` behind when
+    killed, and a later ``mpirun`` that gets the same pid then fails to
+    start with "The PMIx server's listener thread failed to start");
+    SIGKILL to whatever of the group is left after ``grace`` seconds.
+
+    Args:
+        process: The group's leader (started with ``start_new_session``).
+        grace: Seconds between SIGTERM and SIGKILL.
+    """
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
 def run_once(command: Sequence[str], timeout: Optional[float],
              env: Dict[str, str]) -> int:
     """Runs one launch in its own process group.
 
+    Args:
+        command: The launch's command line.
+        timeout: Seconds it may run (None: no limit).
+        env: Its environment.
+
     Returns:
-        Its exit status (``-SIGKILL`` after a timeout).
+        Its exit status; ``-SIGKILL`` after a timeout, whatever the stopped
+        launch exited with.
     """
     process = subprocess.Popen(list(command), env=env, start_new_session=True)
     try:
         return process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        sys.stderr.write('launcher: launch ran past {} s; killing it\n'.format(
-            timeout))
+        sys.stderr.write('launcher: launch ran past {} s; stopping it\n'
+                         .format(timeout))
         return -signal.SIGKILL
     finally:
         # Whatever happened (success, failure, timeout, Ctrl-C), nothing of
         # this launch may outlive it.
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
+        stop_group(process)
 
 
 def relaunch(command: Sequence[str], max_restarts: int,

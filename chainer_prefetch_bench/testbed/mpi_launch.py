@@ -5,19 +5,23 @@ same way: the virtual environment's ``mpiexec`` and Open MPI's permission to
 run as root (containers, CI).  The example is a script of the source tree
 (``examples/imagenet``), not part of the installed packages.
 """
-import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
+from chainer_prefetch.resilience.launcher import stop_group
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 TRAIN_SCRIPT = os.path.join(REPO, 'examples', 'imagenet', 'train_imagenet.py')
+
+
+SESSION_BASE_VARIABLE = 'PRTE_MCA_prte_tmpdir_base'
+"""Where Open MPI 5's ``mpirun`` makes its session directory."""
 
 
 def mpiexec_path() -> str:
@@ -68,7 +72,8 @@ def run(command: Sequence[str], timeout: float, cwd: Optional[str] = None,
 
     Args:
         command: The command line.
-        timeout: Seconds before the group gets SIGKILL.
+        timeout: Seconds before the group is stopped (SIGTERM, then
+            SIGKILL).
         cwd: Working directory.
         env: Environment (default: :func:`environment`).
         done: Checked every ``poll`` seconds while the command runs; once it
@@ -76,43 +81,47 @@ def run(command: Sequence[str], timeout: float, cwd: Optional[str] = None,
             measurement needs).  None: wait for the command to end.
         poll: Seconds between checks of ``done``.
 
+    Each run gets its own, new base directory for Open MPI's session
+    directories (removed afterwards), so that what an ``mpirun`` killed
+    earlier left in ``$TMPDIR`` cannot stop this one from starting.
+
     Returns:
         ``(returncode, output, timed_out)``; output is stdout and stderr.
     """
-    with tempfile.TemporaryFile() as sink:
-        process = subprocess.Popen(
-            list(command), cwd=cwd, env=env or environment(), stdout=sink,
-            stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        timed_out = False
-        try:
-            while process.poll() is None:
-                if time.monotonic() >= deadline:
-                    timed_out = True
-                    break
-                if done is not None and done():
-                    break
-                try:
-                    process.wait(timeout=poll)
-                except subprocess.TimeoutExpired:
-                    pass
-        finally:  # success, timeout, Ctrl-C, SIGTERM: nothing outlives it
-            if process.poll() is None:
-                _stop_group(process)
-            process.wait()
-        sink.seek(0)
-        output = sink.read()
+    env = dict(env or environment())
+    env[SESSION_BASE_VARIABLE] = tempfile.mkdtemp(prefix='mpirun-')
+    try:
+        with tempfile.TemporaryFile() as sink:
+            process = subprocess.Popen(
+                list(command), cwd=cwd, env=env, stdout=sink,
+                stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                timed_out = _wait(process, timeout, done, poll)
+            finally:  # success, timeout, Ctrl-C, SIGTERM: nothing outlives it
+                if process.poll() is None:
+                    stop_group(process)
+            sink.seek(0)
+            output = sink.read()
+    finally:
+        shutil.rmtree(env[SESSION_BASE_VARIABLE], ignore_errors=True)
     return process.returncode, output.decode(errors='replace'), timed_out
 
 
-def _stop_group(process: subprocess.Popen, grace: float = 5.0) -> None:
-    """SIGTERM the launcher's group (mpiexec forwards it to the ranks, which
-    run outside the group), then SIGKILL what is left after ``grace``."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+def _wait(process: subprocess.Popen, timeout: float,
+          done: Optional[Callable[[], bool]], poll: float) -> bool:
+    """Waits until ``process`` ends, ``timeout`` passes or ``done()``.
+
+    Returns:
+        Whether it ran past ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    while process.poll() is None:
+        if time.monotonic() >= deadline:
+            return True
+        if done is not None and done():
+            return False
+        try:
+            process.wait(timeout=poll)
+        except subprocess.TimeoutExpired:
+            pass
+    return False
