@@ -1,12 +1,13 @@
 """Multi-process tests of chainer_prefetch.resilience under real MPI.
 
-Every run is started by ``mpi_launch.run`` in its own process group with a
-hard timeout (the group is killed on expiry), and every test checks that no
+Every run is started in its own process group with a hard timeout (the
+group is stopped on expiry), by ``mpi_launch.run`` or, for the relaunching
+launcher's own tests, ``launcher.run_once``, and every test checks that no
 process of the run (ranks, replacements, watchdogs, ``prterun``) is left.
 Recovery runs use ``mpirun --with-ft ulfm`` (Open MPI 5 from PyPI).
 """
 import json
-import os
+import shlex
 import signal
 import sys
 import time
@@ -51,29 +52,42 @@ def _run(command, tmp_path, timeout=RUN_TIMEOUT):
 # ---- launching mpirun: session directories -------------------------------------
 
 def _tmpdir_environment(tmp_path):
-    """``mpi_launch.environment()`` with ``TMPDIR`` inside ``tmp_path``."""
+    """``mpi_launch.environment()`` with ``TMPDIR`` inside ``tmp_path`` (and
+    no session-directory base of an outer launch)."""
     tmpdir = tmp_path / 'tmpdir'
     tmpdir.mkdir()
-    return dict(mpi_launch.environment(), TMPDIR=str(tmpdir)), tmpdir
+    env = dict(mpi_launch.environment(), TMPDIR=str(tmpdir))
+    env.pop(mpi_launch.SESSION_BASE_VARIABLE, None)
+    return env, tmpdir
 
 
 def _sessions(tmpdir):
     return sorted(p.name for p in tmpdir.glob('ompi.*'))
 
 
+def _sleeping_ranks(marker):
+    return _mpirun(2, [sys.executable, '-c', 'import time; time.sleep(60)',
+                       marker], ft=False)
+
+
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize('wrapped', [False, True], ids=['mpirun', 'script'])
 def test_a_launch_stopped_at_its_timeout_leaves_no_session_directory(
-        tmp_path):
+        tmp_path, wrapped):
     # Open MPI 5 leaves $TMPDIR/ompi.<pid> behind when mpirun is killed;
-    # a later mpirun that gets the same pid then cannot start.
+    # a later mpirun that gets the same pid then cannot start.  A job
+    # script that runs mpirun (and ends at once on SIGTERM) must not cut
+    # mpirun's grace short.
     env, tmpdir = _tmpdir_environment(tmp_path)
     marker = str(tmp_path / 'rank-marker')
-    command = _mpirun(1, [sys.executable, '-c', 'import time; time.sleep(60)',
-                          marker], ft=False)
+    command = _sleeping_ranks(marker)
+    if wrapped:
+        command = ['bash', '-c', shlex.join(command) + '; true']
     status = launcher.run_once(command, 5, env)
     assert status == -signal.SIGKILL
     assert _sessions(tmpdir) == []
-    assert helpers.wait_until(lambda: not processes_with(marker), 10)
+    assert helpers.wait_until(lambda: not processes_with(marker), 10), \
+        'ranks left: {}'.format(processes_with(marker))
 
 
 @pytest.mark.timeout(60)
@@ -91,8 +105,8 @@ def test_mpi_launch_keeps_session_directories_out_of_tmpdir(tmp_path):
     assert not timed_out, output
     session = record.read_text()
     assert not session.startswith(str(tmpdir)), session
-    assert not os.path.exists(session), 'left behind: ' + session
     assert _sessions(tmpdir) == []
+    assert helpers.wait_until(lambda: not processes_with(str(record)), 10)
 
 
 # ---- the ULFM startup check ---------------------------------------------------

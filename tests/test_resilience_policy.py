@@ -225,6 +225,25 @@ def test_launcher_ends_its_launch_when_terminated(tmp_path):
         'the launch survived its launcher'
 
 
+@pytest.mark.timeout(60)
+def test_a_second_sigterm_does_not_cut_the_launch_stop_short(tmp_path):
+    marker = tmp_path / 'stubborn-launch'  # written once SIGTERM is ignored
+    script = ('import signal, sys, time; signal.signal(signal.SIGTERM, '
+              'signal.SIG_IGN); open(sys.argv[1], "w").close(); '
+              'time.sleep(300)')
+    env = dict(os.environ, PYTHONPATH=helpers_repo())
+    process = subprocess.Popen(
+        [sys.executable, '-m', 'chainer_prefetch.resilience.launcher', '--',
+         sys.executable, '-c', script, str(marker)], env=env)
+    assert helpers.wait_until(marker.exists, 20)
+    process.terminate()
+    time.sleep(1)  # within the launch's grace
+    process.terminate()
+    assert process.wait(timeout=20) == 128 + signal.SIGTERM
+    assert helpers.wait_until(lambda: not processes_with(str(marker)), 10), \
+        'the launch that ignores SIGTERM survived its launcher'
+
+
 def test_launcher_kills_a_launch_past_its_timeout(tmp_path):
     marker = str(tmp_path / 'grandchild-marker')
     # The launch starts a grandchild in the same process group, then hangs.

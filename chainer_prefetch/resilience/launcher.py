@@ -8,8 +8,8 @@ Usage (``SIGTERM`` or Ctrl-C to the launcher ends the running launch too)::
 
 The job must resume by itself from its latest snapshot (the ImageNet
 example does with ``--fault-tolerance checkpoint``).  Each launch runs in
-its own process group, killed whole when it fails or runs past
-``--timeout``, so no rank of a failed launch survives into the next one.
+its own process group, stopped whole (SIGTERM, then SIGKILL) when it
+ends, fails or runs past ``--timeout``, so no rank of a failed launch survives into the next one.
 The launch count is passed to the job as ``CHAINER_PREFETCH_RESTART``
 (0 for the first launch); failure injection only happens in launch 0.
 """
@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 from chainer_prefetch.resilience.injection import EventLog
@@ -45,23 +46,45 @@ def stop_group(process: subprocess.Popen,
                grace: float = STOP_GRACE_SECONDS) -> None:
     """Stops the process group led by ``process`` and reaps its leader.
 
-    SIGTERM first, so that ``mpirun`` can stop its ranks and remove its
-    session directory (Open MPI 5 leaves ``$TMPDIR/ompi.<pid>`` behind when
-    killed, and a later ``mpirun`` that gets the same pid then fails to
-    start with "The PMIx server's listener thread failed to start");
-    SIGKILL to whatever of the group is left after ``grace`` seconds.
+    SIGTERM to the whole group first, so that ``mpirun`` (the leader, or
+    started by it in the same group, as a job script does) can stop its
+    ranks and remove its session directory: Open MPI 5 leaves
+    ``$TMPDIR/ompi.<pid>`` behind when killed, and a later ``mpirun`` that
+    gets the same pid then fails to start with "The PMIx server's listener
+    thread failed to start".  SIGKILL to whatever of the group is still
+    running ``grace`` seconds later, also when a second signal or Ctrl-C
+    interrupts the wait.
 
     Args:
         process: The group's leader (started with ``start_new_session``).
-        grace: Seconds between SIGTERM and SIGKILL.
+        grace: Seconds the group has to end after SIGTERM.
     """
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=grace)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    group_ended = False
+    try:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            group_ended = True
+        deadline = time.monotonic() + grace
+        while not group_ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+            group_ended = not _group_alive(process)
+    finally:
+        if not group_ended:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _group_alive(process: subprocess.Popen) -> bool:
+    """Whether any process of the group ``process`` leads still runs (its
+    leader is reaped once it has exited, so that it no longer counts)."""
+    process.poll()
+    try:
+        os.killpg(process.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def run_once(command: Sequence[str], timeout: Optional[float],
@@ -127,7 +150,10 @@ def relaunch(command: Sequence[str], max_restarts: int,
 
 def _exit_on_signal(number, _frame):
     """SIGTERM/SIGHUP end the launcher like an exception, so that the
-    running launch's process group is killed on the way out."""
+    running launch's process group is stopped on the way out; later ones
+    are ignored, so that they cannot cut that short."""
+    for ignored in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(ignored, signal.SIG_IGN)
     raise SystemExit(128 + number)
 
 

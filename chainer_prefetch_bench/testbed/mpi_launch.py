@@ -13,7 +13,7 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-from chainer_prefetch.resilience.launcher import stop_group
+from chainer_prefetch.resilience.launcher import STOP_GRACE_SECONDS, stop_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -68,7 +68,7 @@ def train_command(n_processes: int, arguments: Sequence[str]) -> List[str]:
 def run(command: Sequence[str], timeout: float, cwd: Optional[str] = None,
         env: Optional[Dict[str, str]] = None,
         done: Optional[Callable[[], bool]] = None, poll: float = 0.5):
-    """Runs ``command`` in its own process group, killed whole on timeout.
+    """Runs ``command`` in its own process group, stopped whole on timeout.
 
     Args:
         command: The command line.
@@ -81,9 +81,10 @@ def run(command: Sequence[str], timeout: float, cwd: Optional[str] = None,
             measurement needs).  None: wait for the command to end.
         poll: Seconds between checks of ``done``.
 
-    Each run gets its own, new base directory for Open MPI's session
-    directories (removed afterwards), so that what an ``mpirun`` killed
-    earlier left in ``$TMPDIR`` cannot stop this one from starting.
+    Each call gets its own, new base directory for Open MPI 5's session
+    directories (removed afterwards; other MPIs ignore it), so that what an
+    ``mpirun`` killed earlier left in ``$TMPDIR`` cannot stop the ones this
+    command starts.
 
     Returns:
         ``(returncode, output, timed_out)``; output is stdout and stderr.
@@ -99,7 +100,9 @@ def run(command: Sequence[str], timeout: float, cwd: Optional[str] = None,
                 timed_out = _wait(process, timeout, done, poll)
             finally:  # success, timeout, Ctrl-C, SIGTERM: nothing outlives it
                 if process.poll() is None:
-                    stop_group(process)
+                    # Longer than the grace a launcher inside gives its
+                    # own launch.
+                    stop_group(process, 2 * STOP_GRACE_SECONDS)
             sink.seek(0)
             output = sink.read()
     finally:
