@@ -9,12 +9,12 @@ Usage (``SIGTERM`` or Ctrl-C to the launcher ends the running launch too)::
 The job must resume by itself from its latest snapshot (the ImageNet
 example does with ``--fault-tolerance checkpoint``).  Each launch runs in
 its own process group, stopped whole (SIGTERM, then SIGKILL) when it
-ends, fails or runs past ``--timeout``, so no rank of a failed launch survives into the next one.
+ends, fails or runs past ``--timeout``, so no rank of a failed launch
+survives into the next one.
 The launch count is passed to the job as ``CHAINER_PREFETCH_RESTART``
 (0 for the first launch); failure injection only happens in launch 0.
 """
 import argparse
-import contextlib
 import os
 import signal
 import subprocess
@@ -61,27 +61,23 @@ def stop_group(process: subprocess.Popen,
     """
     group_ended = False
     try:
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            group_ended = True
+        group_ended = not _signal_group(process, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while not group_ended and time.monotonic() < deadline:
             time.sleep(0.05)
-            group_ended = not _group_alive(process)
+            process.poll()  # a leader that has exited no longer counts
+            group_ended = not _signal_group(process, 0)
     finally:
         if not group_ended:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+            _signal_group(process, signal.SIGKILL)
         process.wait()
 
 
-def _group_alive(process: subprocess.Popen) -> bool:
-    """Whether any process of the group ``process`` leads still runs (its
-    leader is reaped once it has exited, so that it no longer counts)."""
-    process.poll()
+def _signal_group(process: subprocess.Popen, number: int) -> bool:
+    """Sends signal ``number`` (0: none, a check) to the group ``process``
+    leads; returns False when no process of the group is left."""
     try:
-        os.killpg(process.pid, 0)
+        os.killpg(process.pid, number)
     except ProcessLookupError:
         return False
     return True

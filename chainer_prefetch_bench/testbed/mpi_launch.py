@@ -99,10 +99,8 @@ def run(command: Sequence[str], timeout: float, cwd: Optional[str] = None,
             try:
                 timed_out = _wait(process, timeout, done, poll)
             finally:  # success, timeout, Ctrl-C, SIGTERM: nothing outlives it
-                if process.poll() is None:
-                    # Longer than the grace a launcher inside gives its
-                    # own launch.
-                    stop_group(process, 2 * STOP_GRACE_SECONDS)
+                # A grace longer than a launcher inside gives its own launch.
+                stop_group(process, 2 * STOP_GRACE_SECONDS)
             sink.seek(0)
             output = sink.read()
     finally:
