@@ -1,8 +1,12 @@
 """The Parquet benchmark's report: runs of ours at several windows stay apart."""
+import os
 import subprocess
 import sys
 
+import pytest
+
 from chainer_prefetch_bench.parquet import bench
+from chainer_prefetch_bench.testbed import processes
 
 
 def _run(method, window, rows_per_s, workers=2):
@@ -37,9 +41,53 @@ def test_a_report_without_windows_reads_as_before():
 def test_every_ours_method_runs_at_every_window_and_the_others_once():
     args = bench.parse_args(['--window', '1,4', '--methods',
                              'ours-local,petastorm,ours-shared'])
-    assert bench._method_windows(args) == [
-        ('ours-local', 1), ('ours-local', 4), ('petastorm', 4),
-        ('ours-shared', 1), ('ours-shared', 4)]
+    assert bench._variants(args) == [
+        ('ours-local', 1, 'default'), ('ours-local', 4, 'default'),
+        ('petastorm', 4, 'default'), ('ours-shared', 1, 'default'),
+        ('ours-shared', 4, 'default')]
+
+
+def test_every_method_runs_at_every_memory_setting_compared_within_it():
+    args = bench.parse_args(['--window', '1', '--methods',
+                             'ours-local,petastorm',
+                             '--arrow-memory', 'default,retain'])
+    assert bench._variants(args) == [
+        ('ours-local', 1, 'default'), ('petastorm', 1, 'default'),
+        ('ours-local', 1, 'retain'), ('petastorm', 1, 'retain')]
+    runs = [dict(_run('ours-local', 1, 30.0), arrow_memory='default'),
+            dict(_run('petastorm', None, 20.0), arrow_memory='default'),
+            dict(_run('ours-local', 1, 60.0), arrow_memory='retain'),
+            dict(_run('petastorm', None, 40.0), arrow_memory='retain')]
+    table = bench.format_table(bench.median_runs(runs))
+    vs_peer = {' '.join(line.split()[:-10]): line.split()[-8]
+               for line in table.splitlines()[1:5]}
+    assert vs_peer == {'ours-local w1': '1.50x', 'petastorm': '-',
+                       'ours-local w1 retain': '1.50x', 'petastorm retain': '-'}
+
+
+def test_an_unknown_memory_setting_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(['--arrow-memory', 'default,keep'])
+    assert 'unknown setting(s) keep' in capsys.readouterr().err
+
+
+def test_a_run_gets_the_environment_of_its_memory_setting(tmp_path):
+    (tmp_path / 'print_environment.py').write_text(
+        'import os, sys\n'
+        'from chainer_prefetch_bench.testbed.processes import answer_child\n'
+        'answer_child(sys.argv[1:], lambda config: {\n'
+        '    name: os.environ.get(name) for name in config["names"]})\n')
+    names = sorted(bench.ARROW_MEMORY['retain'])
+    result = processes.run_in_child(
+        'print_environment', {'names': names}, 60,
+        environment=dict(bench.ARROW_MEMORY['retain'],
+                         PYTHONPATH=str(tmp_path)))
+    assert result == bench.ARROW_MEMORY['retain']
+    assert processes.run_in_child(
+        'print_environment', {'names': names}, 60,
+        environment=dict(bench.ARROW_MEMORY['default'],
+                         PYTHONPATH=str(tmp_path))) == {
+            name: os.environ.get(name) for name in names}
 
 
 def test_the_cpu_column_shows_the_median_and_a_dash_for_runs_without_it():

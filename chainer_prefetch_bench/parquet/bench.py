@@ -96,6 +96,15 @@ PEERS = {'ours-local': 'petastorm', 'ours-shared': 'petastorm-shared',
          'ours-rows': 'petastorm', 'ours-chainer': 'petastorm',
          'petastorm-rows': 'petastorm', 'blog': 'petastorm',
          'blog-shared': 'petastorm-shared'}
+#: ``--arrow-memory``: environment of a run for Arrow's memory allocators.
+#: "retain" keeps the memory freed by one row group's decoding for the next
+#: instead of handing it back to the kernel (mimalloc, the allocator of the
+#: product's PyArrow; jemalloc, that of Petastorm's PyArrow 14).
+ARROW_MEMORY = {
+    'default': {},
+    'retain': {'MIMALLOC_PURGE_DELAY': '-1',
+               'JE_ARROW_MALLOC_CONF': 'dirty_decay_ms:-1,muzzy_decay_ms:-1'},
+}
 
 
 # ---------------------------------------------------------------- the loaders
@@ -353,6 +362,7 @@ def run_one(config: Dict) -> Dict:
     return {'method': config['method'], 'workers': config['workers'],
             'window': (config['window'] if config['method'].startswith('ours')
                        else None),
+            'arrow_memory': config.get('arrow_memory', 'default'),
             'rows': rows, 'seconds': round(seconds, 3),
             'rows_per_s': round(rows / seconds, 1),
             'cpu_s': round(cpu_seconds, 2),
@@ -426,10 +436,14 @@ MEDIAN_FIELDS = ('rows_per_s', 'peak_rss_mb', 'peak_pss_mb', 'peak_local_mb',
 
 
 def label(run: Dict) -> str:
-    """The method of a run, with ours' window (``ours-local w4``)."""
-    if run.get('window') is None:
-        return run['method']
-    return '{} w{}'.format(run['method'], run['window'])
+    """The method of a run, with ours' window and the memory setting when not
+    the default (``ours-local w4``, ``petastorm retain``)."""
+    name = run['method']
+    if run.get('window') is not None:
+        name += ' w{}'.format(run['window'])
+    if run.get('arrow_memory', 'default') != 'default':
+        name += ' ' + run['arrow_memory']
+    return name
 
 
 def median_runs(runs: List[Dict]) -> List[Dict]:
@@ -461,14 +475,14 @@ def median_runs(runs: List[Dict]) -> List[Dict]:
 
 def format_table(runs: List[Dict]) -> str:
     """The throughput table (medians), with ratios to Petastorm on the same storage."""
-    lines = ['{:<19} {:>7} {:>9} {:>10} {:>6} {:>9} {:>9} {:>9} {:>8} {:>9} {:>8}'
+    lines = ['{:<24} {:>7} {:>9} {:>10} {:>6} {:>9} {:>9} {:>9} {:>8} {:>9} {:>8}'
              .format('method', 'workers', 'rows/s', 'vs peer', 'CPU s', 'RSS MB',
                      'PSS MB', 'local MB', '1st b s', 'dup/batch', 'RG/batch')]
     for run in runs:
         ratio = _vs_peer(run, runs, 'rows_per_s')
         cpu = ('{:>6.1f}'.format(run['cpu_s']) if run.get('cpu_s')
                else '{:>6}'.format('-'))  # runs from before it was measured
-        lines.append('{:<19} {:>7} {:>9.0f} {} {} {:>9.0f} {:>9.0f} {:>9.0f} '
+        lines.append('{:<24} {:>7} {:>9.0f} {} {} {:>9.0f} {:>9.0f} {:>9.0f} '
                      '{:>8.2f} {:>9} {:>8.2f}'.format(
                          label(run), run['workers'], run['rows_per_s'],
                          ratio, cpu, run['peak_rss_mb'], run['peak_pss_mb'],
@@ -483,20 +497,23 @@ def format_table(runs: List[Dict]) -> str:
 
 
 def _vs_peer(run: Dict, runs: List[Dict], field: str) -> str:
-    """``run[field]`` over that of Petastorm on the same storage and workers."""
+    """``run[field]`` over that of Petastorm on the same storage and workers
+    (and memory setting)."""
     base = next((peer.get(field) for peer in runs
                  if peer['method'] == PEERS.get(run['method'])
-                 and peer['workers'] == run['workers']), None)
+                 and peer['workers'] == run['workers']
+                 and peer.get('arrow_memory') == run.get('arrow_memory')),
+                None)
     return ('{:>9.2f}x'.format(run[field] / base) if base and run.get(field)
             else '{:>10}'.format('-'))
 
 
 def format_later_epochs(runs: List[Dict]) -> str:
     """Rows/s after the first epoch's worth (medians), against Petastorm's."""
-    lines = ['{:<19} {:>7} {:>9} {:>10}'.format(
+    lines = ['{:<24} {:>7} {:>9} {:>10}'.format(
         'method', 'workers', 'rows/s', 'vs peer')]
     for run in runs:
-        lines.append('{:<19} {:>7} {:>9.0f} {}'.format(
+        lines.append('{:<24} {:>7} {:>9.0f} {}'.format(
             label(run), run['workers'], run['later_epochs_rows_per_s'],
             _vs_peer(run, runs, 'later_epochs_rows_per_s')))
     return '\n'.join(lines)
@@ -609,6 +626,11 @@ def parse_args(argv):
                         'number, or several (each ours method runs at each); '
                         "1 is Petastorm's shuffle (each batch from one row "
                         'group)')
+    parser.add_argument('--arrow-memory', default='default',
+                        help='memory setting of every run, or several (each '
+                        'method runs at each): default, or retain (Arrow '
+                        'keeps freed memory for the next row group; see '
+                        'ARROW_MEMORY)')
     parser.add_argument('--num-cached-parquet', type=int, default=2,
                         help="files in each worker's cache (blog)")
     parser.add_argument('--coverage-epochs', type=int, default=5,
@@ -633,6 +655,12 @@ def parse_args(argv):
     args.windows = [int(w) for w in str(args.window).split(',')]
     args.window = max(args.windows)  # growth and coverage runs
     args.methods = args.methods.split(',')
+    args.arrow_memory = args.arrow_memory.split(',')
+    unknown = set(args.arrow_memory) - set(ARROW_MEMORY)
+    if unknown:
+        parser.error('--arrow-memory: unknown setting(s) {}; choose from {}'
+                     .format(', '.join(sorted(unknown)),
+                             ', '.join(ARROW_MEMORY)))
     return args
 
 
@@ -667,8 +695,10 @@ def main(argv=None) -> int:
     runs, coverage_runs, growth_runs = [], [], []
     sizes = _row_group_sizes(dataset_dir)
 
-    def config_for(method, workers, batches, source, window=args.window):
+    def config_for(method, workers, batches, source, window=args.window,
+                   arrow_memory=args.arrow_memory[0]):
         return {'method': method, 'workers': workers, 'source': source,
+                'arrow_memory': arrow_memory,
                 'columns': columns, 'batches': batches, 'window': window,
                 'num_cached_parquet': args.num_cached_parquet,
                 'local_dir': local_dir, 'seed': 0, 'row_group_sizes': sizes,
@@ -678,16 +708,16 @@ def main(argv=None) -> int:
     with storage.mounted(dataset_dir, mountpoint, preset=args.preset):
         for repeat in range(args.repeats):
             for workers in args.workers:
-                for method, window in _method_windows(args):
+                for method, window, memory in _variants(args):
                     source = (mountpoint if method.endswith('-shared')
                               else dataset_dir)
                     result = _measure(config_for(method, workers, args.batches,
-                                                 source, window),
+                                                 source, window, memory),
                                       dataset_dir, local_dir, args.run_timeout,
                                       petastorm_python)
                     result['repeat'] = repeat
                     runs.append(result)
-                    print('{:<19} workers {workers}: {rows_per_s:8.0f} '
+                    print('{:<24} workers {workers}: {rows_per_s:8.0f} '
                           'rows/s, CPU {cpu_s:5.1f} s, peak PSS {peak_pss_mb:6.0f} '
                           'MB, local {peak_local_mb:5.0f} MB'.format(
                               label(result), **result),
@@ -730,9 +760,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def _method_windows(args):
-    """``(method, window)`` of every run of one repeat: ours at each window."""
-    return [(method, window) for method in args.methods
+def _variants(args):
+    """``(method, window, arrow memory)`` of every run of one repeat: ours at
+    each window, every method at each memory setting."""
+    return [(method, window, memory) for memory in args.arrow_memory
+            for method in args.methods
             for window in (args.windows if method.startswith('ours')
                            else [args.window])]
 
@@ -766,8 +798,9 @@ def _measure(config, dataset_dir, local_dir, timeout, petastorm_python=None):
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        result = run_in_child(__spec__.name, config, timeout, python=python,
-                              sample_memory=True)
+        result = run_in_child(
+            __spec__.name, config, timeout, python=python, sample_memory=True,
+            environment=ARROW_MEMORY[config.get('arrow_memory', 'default')])
     finally:
         done.set()
         sampler.join()

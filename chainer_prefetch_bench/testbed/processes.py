@@ -24,7 +24,8 @@ MEMORY_POLL_SECONDS = 0.2
 
 def run_in_child(module: str, config: Dict, timeout: float,
                  python: Optional[str] = None,
-                 sample_memory: bool = False) -> Dict:
+                 sample_memory: bool = False,
+                 environment: Optional[Dict[str, str]] = None) -> Dict:
     """Run one measurement in a fresh process; return its result.
 
     Args:
@@ -38,6 +39,8 @@ def run_in_child(module: str, config: Dict, timeout: float,
         sample_memory: Also sample the summed RSS and PSS of the child and
             all its descendants every :data:`MEMORY_POLL_SECONDS` and add the
             peaks as ``peak_rss_mb`` and ``peak_pss_mb`` (needs psutil).
+        environment: Variables to set in the child's environment (on top
+            of this process's).
 
     Returns:
         The dict the child printed.
@@ -49,7 +52,7 @@ def run_in_child(module: str, config: Dict, timeout: float,
     child = subprocess.Popen(
         [python or sys.executable, '-m', module, '_run', json.dumps(config)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+        start_new_session=True, env=dict(os.environ, **(environment or {})))
     peak = {'rss': 0, 'pss': 0}
     done = threading.Event()
 
