@@ -33,6 +33,10 @@ batch 100, for each number of loader workers:
 method runs at each, labelled ``ours-local w1``, ``ours-local w4``.  Window 1
 shuffles as Petastorm does (row groups in random order, rows within each):
 every batch comes from one row group, the ``RG/batch`` column shows it.
+``--arrow-memory default,retain`` likewise runs every method with Arrow's
+allocators at their defaults and keeping freed memory for the next row
+group (``ARROW_MEMORY``), labelled ``petastorm``, ``petastorm retain``; each
+is compared with Petastorm at the same setting.
 
 Every configuration runs ``--repeats`` times, interleaved (repeat 1 of
 every configuration, then repeat 2, ...), and the table shows medians;
@@ -435,6 +439,10 @@ MEDIAN_FIELDS = ('rows_per_s', 'peak_rss_mb', 'peak_pss_mb', 'peak_local_mb',
                  'later_epochs_rows_per_s')
 
 
+#: Width of the method column of the tables (``petastorm-shared retain``).
+LABEL_WIDTH = 24
+
+
 def label(run: Dict) -> str:
     """The method of a run, with ours' window and the memory setting when not
     the default (``ours-local w4``, ``petastorm retain``)."""
@@ -475,16 +483,17 @@ def median_runs(runs: List[Dict]) -> List[Dict]:
 
 def format_table(runs: List[Dict]) -> str:
     """The throughput table (medians), with ratios to Petastorm on the same storage."""
-    lines = ['{:<24} {:>7} {:>9} {:>10} {:>6} {:>9} {:>9} {:>9} {:>8} {:>9} {:>8}'
-             .format('method', 'workers', 'rows/s', 'vs peer', 'CPU s', 'RSS MB',
-                     'PSS MB', 'local MB', '1st b s', 'dup/batch', 'RG/batch')]
+    lines = ['{} {:>7} {:>9} {:>10} {:>6} {:>9} {:>9} {:>9} {:>8} {:>9} {:>8}'
+             .format('method'.ljust(LABEL_WIDTH), 'workers', 'rows/s', 'vs peer',
+                     'CPU s', 'RSS MB', 'PSS MB', 'local MB', '1st b s',
+                     'dup/batch', 'RG/batch')]
     for run in runs:
         ratio = _vs_peer(run, runs, 'rows_per_s')
         cpu = ('{:>6.1f}'.format(run['cpu_s']) if run.get('cpu_s')
                else '{:>6}'.format('-'))  # runs from before it was measured
-        lines.append('{:<24} {:>7} {:>9.0f} {} {} {:>9.0f} {:>9.0f} {:>9.0f} '
+        lines.append('{} {:>7} {:>9.0f} {} {} {:>9.0f} {:>9.0f} {:>9.0f} '
                      '{:>8.2f} {:>9} {:>8.2f}'.format(
-                         label(run), run['workers'], run['rows_per_s'],
+                         label(run).ljust(LABEL_WIDTH), run['workers'], run['rows_per_s'],
                          ratio, cpu, run['peak_rss_mb'], run['peak_pss_mb'],
                          run.get('peak_local_mb', 0), run['first_batch_s'],
                          run['duplicates_in_batches'],
@@ -510,22 +519,22 @@ def _vs_peer(run: Dict, runs: List[Dict], field: str) -> str:
 
 def format_later_epochs(runs: List[Dict]) -> str:
     """Rows/s after the first epoch's worth (medians), against Petastorm's."""
-    lines = ['{:<24} {:>7} {:>9} {:>10}'.format(
-        'method', 'workers', 'rows/s', 'vs peer')]
+    lines = ['{} {:>7} {:>9} {:>10}'.format(
+        'method'.ljust(LABEL_WIDTH), 'workers', 'rows/s', 'vs peer')]
     for run in runs:
-        lines.append('{:<24} {:>7} {:>9.0f} {}'.format(
-            label(run), run['workers'], run['later_epochs_rows_per_s'],
+        lines.append('{} {:>7} {:>9.0f} {}'.format(
+            label(run).ljust(LABEL_WIDTH), run['workers'], run['later_epochs_rows_per_s'],
             _vs_peer(run, runs, 'later_epochs_rows_per_s')))
     return '\n'.join(lines)
 
 
 def format_growth(runs: List[Dict]) -> str:
     """Memory of ours as the rows read grow."""
-    lines = ['{:<15} {:>7} {:>10} {:>9} {:>9} {:>9}'.format(
-        'method', 'workers', 'rows', 'rows/s', 'PSS MB', 'local MB')]
+    lines = ['{} {:>7} {:>10} {:>9} {:>9} {:>9}'.format(
+        'method'.ljust(LABEL_WIDTH), 'workers', 'rows', 'rows/s', 'PSS MB', 'local MB')]
     for run in runs:
-        lines.append('{:<15} {:>7} {:>10} {:>9.0f} {:>9.0f} {:>9.0f}'.format(
-            label(run), run['workers'], run['rows'], run['rows_per_s'],
+        lines.append('{} {:>7} {:>10} {:>9.0f} {:>9.0f} {:>9.0f}'.format(
+            label(run).ljust(LABEL_WIDTH), run['workers'], run['rows'], run['rows_per_s'],
             run['peak_pss_mb'], run.get('peak_local_mb', 0)))
     return '\n'.join(lines)
 
@@ -717,10 +726,10 @@ def main(argv=None) -> int:
                                       petastorm_python)
                     result['repeat'] = repeat
                     runs.append(result)
-                    print('{:<24} workers {workers}: {rows_per_s:8.0f} '
+                    print('{} workers {workers}: {rows_per_s:8.0f} '
                           'rows/s, CPU {cpu_s:5.1f} s, peak PSS {peak_pss_mb:6.0f} '
                           'MB, local {peak_local_mb:5.0f} MB'.format(
-                              label(result), **result),
+                              label(result).ljust(LABEL_WIDTH), **result),
                           flush=True)
     for factor in ((1, args.growth) if args.growth else ()):
         result = _measure(config_for('ours-local', max(args.workers),
