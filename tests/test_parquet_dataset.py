@@ -184,7 +184,7 @@ def test_only_the_selected_column_chunks_are_read(tmp_path, monkeypatch):
     pyarrow.parquet.write_table(table, path, compression='none')
     metadata = pyarrow.parquet.read_metadata(path)
     _, chunks = parquet_module._selected_chunks(metadata, 0, ['id', 'label'])
-    ranges = parquet_module._RowGroupBytes.ranges(chunks, os.path.getsize(path))
+    ranges = parquet_module.chunk_ranges(chunks, os.path.getsize(path))
     assert len(ranges) == 2  # 'blob' lies between them and is not read
     assert sum(end - start for start, end in ranges) < 20000
     monkeypatch.setattr(parquet_module, 'READ_PIECE_BYTES', 64)

@@ -2,6 +2,7 @@
 import multiprocessing
 import os
 import pickle
+import time
 
 import pyarrow
 import pyarrow.ipc
@@ -222,3 +223,49 @@ def test_row_groups_live_under_the_capacity_limit_each_read_once_per_epoch(
     # left (about half when copies keep ahead; on a loaded machine, which
     # ones are still there when the consumer reaches them varies).
     assert stats['files_copied'] < 2 * n_groups
+
+
+@pytest.mark.parametrize('one_at_a_time', [True, False])
+def test_row_groups_are_copied_one_at_a_time_in_the_order_needed(
+        shop, tmp_path, monkeypatch, one_at_a_time):
+    # Each copy is made slow enough that copies on several threads overlap;
+    # the row groups' own flag keeps them one at a time (False shows the
+    # overlap the check would see).
+    monkeypatch.setattr(RowGroupFile, 'copied_one_at_a_time', one_at_a_time)
+    spans = []
+    read = RowGroupFile.load_from_origin
+
+    def slow_read(self):
+        started = time.monotonic()
+        time.sleep(0.05)
+        content = read(self)
+        spans.append((started, time.monotonic(), self.row_group, self.origin))
+        return content
+
+    monkeypatch.setattr(RowGroupFile, 'load_from_origin', slow_read)
+    dataset = ParquetDataset(shop, columns=['id'])
+    sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes, window=1,
+                                         seed=3)
+    iterator = PrefetchMultiprocessIterator(
+        dataset, 10, repeat=False, n_processes=1, order_sampler=sampler,
+        local_dir=str(tmp_path / 'local'), n_copy_threads=4, n_copy_ahead=6)
+    try:
+        ids = [example['id'] for batch in iterator for example in batch]
+    finally:
+        iterator.finalize()
+    assert sorted(ids) == list(range(ROWS))
+    spans.sort()
+    overlaps = sum(later[0] < earlier[1]
+                   for earlier, later in zip(spans, spans[1:]))
+    if not one_at_a_time:
+        assert overlaps > 0
+        return
+    assert overlaps == 0
+    first_needed = []  # row groups in the order the batches reach them
+    for index in ids:
+        file_index, group_in_file = dataset.row_group_locations[
+            dataset.row_group_of(index)[0]]
+        group = (dataset.files[file_index], group_in_file)
+        if group not in first_needed:
+            first_needed.append(group)
+    assert [(origin, group) for _, _, group, origin in spans] == first_needed

@@ -155,8 +155,17 @@ class Mailbox:
 class CopyThreads:
     """Threads that run stage-2 copies; a copy not started yet can be cancelled.
 
+    Copies submitted with ``alone=True`` (sources whose
+    ``copied_one_at_a_time`` is set, such as Parquet row groups) go to one
+    thread of their own and run one after the other, in the order
+    submitted: each already reads in parallel pieces and decodes, so two at
+    once would only share the disk and the cores and both finish late,
+    where one at a time finishes the one needed first early.  The others
+    run on ``n_threads`` threads at once (many small files: the latency of
+    each hides behind the others).
+
     Args:
-        n_threads: How many.
+        n_threads: How many threads run the other copies.
         run: ``run(copy_action) -> event``, called on a copy thread.
         post: Where events go.
     """
@@ -165,18 +174,23 @@ class CopyThreads:
         self._run_copy = run
         self._post = post
         self._tasks = queue.SimpleQueue()
+        self._tasks_alone = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._queued = {}  # copy id -> action, not started yet
-        self.threads = [threading.Thread(target=self._loop, daemon=True,
-                                         name='chainer_prefetch-copy-{}'.format(i))
-                        for i in range(n_threads)]
+        self.threads = [threading.Thread(target=self._loop, args=(tasks,),
+                                         daemon=True, name=name)
+                        for tasks, name in [(self._tasks_alone,
+                                             'chainer_prefetch-copy-alone')] + [
+                            (self._tasks, 'chainer_prefetch-copy-{}'.format(i))
+                            for i in range(n_threads)]]
         for thread in self.threads:
             thread.start()
 
-    def submit(self, action: s.Copy):
+    def submit(self, action: s.Copy, alone: bool = False):
+        """Queues a copy (``alone``: on the thread of one-at-a-time copies)."""
         with self._lock:
             self._queued[action.copy_id] = action
-        self._tasks.put(action)
+        (self._tasks_alone if alone else self._tasks).put(action)
 
     def cancel(self, copy_ids) -> tuple:
         """Cancels the copies no thread has started; returns their ids."""
@@ -188,12 +202,13 @@ class CopyThreads:
         """Asks every thread to stop after its current copy."""
         with self._lock:
             self._queued.clear()
-        for _ in self.threads:
+        self._tasks_alone.put(None)
+        for _ in self.threads[1:]:
             self._tasks.put(None)
 
-    def _loop(self):
+    def _loop(self, tasks: queue.SimpleQueue):
         while True:
-            action = self._tasks.get()
+            action = tasks.get()
             if action is None:
                 return
             with self._lock:
@@ -472,7 +487,8 @@ class Executor:
         elif kind is s.LoadColumns:
             self._load_columns(action)
         elif kind is s.Copy:
-            self._copies.submit(action)
+            self._copies.submit(action, alone=any(
+                source.copied_one_at_a_time for source in self._sources(action)))
         elif kind is s.Used:
             self._store.used(action.item, action.access, action.next_use)
         elif kind is s.Hold:
@@ -497,10 +513,13 @@ class Executor:
             raise TypeError('unknown action {!r}'.format(action))
         return []
 
+    def _sources(self, action: s.Copy) -> list:
+        return [as_source(named) for named in self._files.files(action.index)]
+
     def _copy(self, action: s.Copy) -> s.Copied:
         """On a copy thread: stages one item."""
-        sources = [as_source(named) for named in self._files.files(action.index)]
-        result = self._store.stage(action.item, sources, action.access)
+        result = self._store.stage(action.item, self._sources(action),
+                                   action.access)
         return s.Copied(action.copy_id, action.item, result.staged,
                         result.bytes_read, result.evicted)
 

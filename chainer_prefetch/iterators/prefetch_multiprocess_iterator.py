@@ -110,7 +110,9 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             on one file's latency at a time, so more threads hide more
             latency; 16 kept the emulated Lustre-like storage of
             ``scripts/bench_minibatch.py`` ahead of 2 loader processes
-            (12 and 16 performed alike, 8 did not).
+            (12 and 16 performed alike, 8 did not).  Parquet row groups
+            are copied one at a time on a thread of their own, in the
+            order needed (each reads in parallel pieces already).
         n_copy_ahead (int): How many batches stages 1-2 may run ahead of
             training.  Bounds memory and the files staged but not yet used.
             At start-up the window opens one batch per batch delivered, and

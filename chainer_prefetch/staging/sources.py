@@ -43,6 +43,10 @@ class Source:
     __slots__ = ()
     name: str
     origin: str
+    #: Whether stage 2 copies sources of this kind one at a time, in the
+    #: order needed (each copy is large, reads in parallel pieces and may
+    #: decode: two at once only delay the first), instead of many at once.
+    copied_one_at_a_time = False
 
     def __repr__(self):
         return '{}({!r})'.format(type(self).__name__, self.name)
