@@ -1,4 +1,5 @@
 """Tests of ParquetDataset on real Parquet files written by the generator."""
+import errno
 import io
 import os
 import shutil
@@ -188,6 +189,16 @@ def test_only_the_selected_column_chunks_are_read(tmp_path, monkeypatch):
     assert len(ranges) == 2  # 'blob' lies between them and is not read
     assert sum(end - start for start, end in ranges) < 20000
     monkeypatch.setattr(parquet_module, 'READ_PIECE_BYTES', 64)
+    mapped = parquet_module._map_column_chunks
+
+    def only_the_ranges(path, chunks):  # every byte outside them spoiled
+        content = bytearray(mapped(path, chunks).to_pybytes())
+        kept = bytearray(b'\xff') * len(content)
+        for start, end in parquet_module.chunk_ranges(chunks, len(content)):
+            kept[start:end] = content[start:end]
+        return pyarrow.py_buffer(bytes(kept))
+
+    monkeypatch.setattr(parquet_module, '_map_column_chunks', only_the_ranges)
     ours = parquet_module.read_row_group(path, 0, ['id', 'label'])
     assert ours.equals(table.select(['id', 'label']))
 
@@ -242,3 +253,15 @@ def test_chainer_multiprocess_iterator_sees_every_row_once(shop):
             assert sorted(ids) == list(range(ROWS))
     finally:
         iterator.finalize()
+
+
+def test_a_file_that_cannot_be_mapped_is_read_by_arrow(shop, monkeypatch):
+    # What a FUSE mount with direct_io answers to mmap.
+    def refuse(*args, **kwargs):
+        raise OSError(errno.ENODEV, 'No such device')
+
+    monkeypatch.setattr(parquet_module.mmap, 'mmap', refuse)
+    path = os.path.join(shop, 'part-00001.parquet')
+    ours = parquet_module.read_row_group(path, 1, ['image', 'id'])
+    assert ours.equals(pyarrow.parquet.ParquetFile(path).read_row_group(
+        1, columns=['image', 'id']))

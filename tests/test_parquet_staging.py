@@ -231,6 +231,7 @@ def test_row_groups_are_copied_one_at_a_time_in_the_order_needed(
     # Each copy is made slow enough that copies on several threads overlap;
     # the row groups' own flag keeps them one at a time (False shows the
     # overlap the check would see).
+    assert RowGroupFile.copied_one_at_a_time is True
     monkeypatch.setattr(RowGroupFile, 'copied_one_at_a_time', one_at_a_time)
     spans = []
     read = RowGroupFile.load_from_origin
