@@ -39,7 +39,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy
 
@@ -47,7 +47,7 @@ from chainer_prefetch.errors import ExampleLoadError, WorkerDiedError, example_l
 from chainer_prefetch.iterators import _columnar_worker, _worker
 from chainer_prefetch.iterators import _scheduler as s
 from chainer_prefetch.iterators._worker_pool import TASKS_PER_WORKER, WorkerPool
-from chainer_prefetch.staging.sources import as_source
+from chainer_prefetch.staging.sources import Source, as_source
 
 #: Seconds the whole shutdown may take.
 STOP_SECONDS = 5.0
@@ -155,9 +155,8 @@ class Mailbox:
 class CopyThreads:
     """Threads that run stage-2 copies; a copy not started yet can be cancelled.
 
-    Copies submitted with ``alone=True`` (sources whose
-    ``copied_one_at_a_time`` is set, such as Parquet row groups) go to one
-    thread of their own and run one after the other, in the order
+    Copies of sources whose ``copied_one_at_a_time`` is set (such as Parquet
+    row groups) go to one thread of their own and run one after the other, in the order
     submitted: each already reads in parallel pieces and decodes, so two at
     once would only share the disk and the cores and both finish late,
     where one at a time finishes the one needed first early.  The others
@@ -166,7 +165,7 @@ class CopyThreads:
 
     Args:
         n_threads: How many threads run the other copies.
-        run: ``run(copy_action) -> event``, called on a copy thread.
+        run: ``run(copy_action, sources) -> event``, called on a copy thread.
         post: Where events go.
     """
 
@@ -186,11 +185,12 @@ class CopyThreads:
         for thread in self.threads:
             thread.start()
 
-    def submit(self, action: s.Copy, alone: bool = False):
-        """Queues a copy (``alone``: on the thread of one-at-a-time copies)."""
+    def submit(self, action: s.Copy, sources: Sequence[Source]):
+        """Queues the copy of ``sources``, the files of ``action``'s item."""
         with self._lock:
             self._queued[action.copy_id] = action
-        (self._tasks_alone if alone else self._tasks).put(action)
+        alone = any(source.copied_one_at_a_time for source in sources)
+        (self._tasks_alone if alone else self._tasks).put((action, sources))
 
     def cancel(self, copy_ids) -> tuple:
         """Cancels the copies no thread has started; returns their ids."""
@@ -208,14 +208,15 @@ class CopyThreads:
 
     def _loop(self, tasks: queue.SimpleQueue):
         while True:
-            action = tasks.get()
-            if action is None:
+            task = tasks.get()
+            if task is None:
                 return
+            action, sources = task
             with self._lock:
                 if self._queued.pop(action.copy_id, None) is None:
                     continue  # cancelled
             try:
-                event = self._run_copy(action)
+                event = self._run_copy(action, sources)
             except BaseException as error:  # a bug must reach next()
                 event = _Crashed(error)
             self._post(event)
@@ -487,8 +488,8 @@ class Executor:
         elif kind is s.LoadColumns:
             self._load_columns(action)
         elif kind is s.Copy:
-            self._copies.submit(action, alone=any(
-                source.copied_one_at_a_time for source in self._sources(action)))
+            self._copies.submit(action, [as_source(named) for named in
+                                         self._files.files(action.index)])
         elif kind is s.Used:
             self._store.used(action.item, action.access, action.next_use)
         elif kind is s.Hold:
@@ -513,13 +514,9 @@ class Executor:
             raise TypeError('unknown action {!r}'.format(action))
         return []
 
-    def _sources(self, action: s.Copy) -> list:
-        return [as_source(named) for named in self._files.files(action.index)]
-
-    def _copy(self, action: s.Copy) -> s.Copied:
-        """On a copy thread: stages one item."""
-        result = self._store.stage(action.item, self._sources(action),
-                                   action.access)
+    def _copy(self, action: s.Copy, sources: Sequence[Source]) -> s.Copied:
+        """On a copy thread: stages one item (its files are ``sources``)."""
+        result = self._store.stage(action.item, sources, action.access)
         return s.Copied(action.copy_id, action.item, result.staged,
                         result.bytes_read, result.evicted)
 
