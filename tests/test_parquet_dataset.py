@@ -192,11 +192,12 @@ def test_only_the_selected_column_chunks_are_read(tmp_path, monkeypatch):
     mapped = parquet_module._map_column_chunks
 
     def only_the_ranges(path, chunks):  # every byte outside them spoiled
-        content = bytearray(mapped(path, chunks).to_pybytes())
+        whole, opened = mapped(path, chunks)
+        content = bytearray(whole.to_pybytes())
         kept = bytearray(b'\xff') * len(content)
         for start, end in parquet_module.chunk_ranges(chunks, len(content)):
             kept[start:end] = content[start:end]
-        return pyarrow.py_buffer(bytes(kept))
+        return pyarrow.py_buffer(bytes(kept)), opened
 
     monkeypatch.setattr(parquet_module, '_map_column_chunks', only_the_ranges)
     ours = parquet_module.read_row_group(path, 0, ['id', 'label'])

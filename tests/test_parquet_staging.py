@@ -236,10 +236,10 @@ def test_row_groups_are_copied_one_at_a_time_in_the_order_needed(
     spans = []
     read = RowGroupFile.load_from_origin
 
-    def slow_read(self):
+    def slow_read(self, ahead=None):
         started = time.monotonic()
         time.sleep(0.05)
-        content = read(self)
+        content = read(self, ahead)
         spans.append((started, time.monotonic(), self.row_group, self.origin))
         return content
 
@@ -270,3 +270,33 @@ def test_row_groups_are_copied_one_at_a_time_in_the_order_needed(
         if group not in first_needed:
             first_needed.append(group)
     assert [(origin, group) for _, _, group, origin in spans] == first_needed
+
+
+def test_a_row_group_read_ahead_is_staged_alike_and_a_replaced_file_read_again(
+        shop, tmp_path):
+    from chainer_prefetch.staging.sources import using_reads_ahead
+    directory = LocalDirectory(str(tmp_path / 'local'))
+    derived = RowGroupFile(_part(shop), 1, ('id', 'image'))
+    expected = pyarrow.parquet.ParquetFile(_part(shop)).read_row_group(
+        1, columns=['id', 'image'])
+    ahead = derived.read_ahead()
+    assert ahead.source_name == derived.name
+    with using_reads_ahead([ahead]):
+        directory.stage(derived)
+    staged = pyarrow.ipc.open_file(pyarrow.memory_map(
+        directory.local_path(derived))).read_all()
+    assert staged.equals(expected)
+    # The file is replaced by another one after the read ahead: the copy
+    # decodes the new file, not the pages read ahead of the old one.
+    ahead = RowGroupFile(_part(shop), 2, ('id', 'image')).read_ahead()
+    other = RowGroupFile(_part(shop), 2, ('id', 'image'))  # new footer
+    replacement = pyarrow.parquet.read_table(_part(shop, 1))
+    pyarrow.parquet.write_table(replacement, _part(shop) + '.new',
+                                row_group_size=ROW_GROUP_ROWS)
+    os.rename(_part(shop) + '.new', _part(shop))
+    with using_reads_ahead([ahead]):
+        directory.stage(other)
+    staged = pyarrow.ipc.open_file(pyarrow.memory_map(
+        directory.local_path(other))).read_all()
+    assert staged.equals(replacement.select(['id', 'image']).slice(
+        2 * ROW_GROUP_ROWS, ROW_GROUP_ROWS).combine_chunks())

@@ -63,7 +63,7 @@ from chainer_prefetch.errors import (
     ParquetSchemaError,
     example_load_error,
 )
-from chainer_prefetch.staging.sources import DerivedFile
+from chainer_prefetch.staging.sources import DerivedFile, ReadAhead
 
 Paths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
@@ -116,10 +116,24 @@ class RowGroupFile(DerivedFile):
         group, _ = self._column_chunks()
         return self.source_bytes(origin_stat) // max(1, group.num_rows)
 
-    def load_from_origin(self) -> pyarrow.Table:
-        """Reads and decodes the row group from the Parquet file."""
+    def read_ahead(self) -> ReadAhead:
+        """Reads the row group's column chunks into the page cache, and maps the file.
+
+        The copy then only decodes (:meth:`load_from_origin`), so stage 2
+        reads one row group while it decodes the one before.
+        """
+        _, chunks = self._column_chunks()
+        mapped, origin_stat = _map_column_chunks(self.origin, chunks)
+        return ReadAhead(self.name, origin_stat, mapped)
+
+    def load_from_origin(self, ahead=None) -> pyarrow.Table:
+        """Reads and decodes the row group from the Parquet file.
+
+        Args:
+            ahead: The mapped file from :meth:`read_ahead`, or ``None``.
+        """
         return read_row_group(self.origin, self.row_group, self.columns,
-                              self._metadata)
+                              self._metadata, mapped=ahead)
 
     def write_local_form(self, content: pyarrow.Table, out) -> None:
         """Writes ``content`` as an uncompressed Arrow IPC file of one record batch."""
@@ -128,7 +142,7 @@ class RowGroupFile(DerivedFile):
 
 
 def read_row_group(path: str, row_group: int, columns: Sequence[str],
-                   metadata=None) -> pyarrow.Table:
+                   metadata=None, mapped=None) -> pyarrow.Table:
     """Reads one row group of a Parquet file.
 
     The selected column chunks are first read into the page cache in
@@ -142,6 +156,8 @@ def read_row_group(path: str, row_group: int, columns: Sequence[str],
         columns: Columns to read.
         metadata: The file's ``FileMetaData`` if known (saves reading the
             footer again).
+        mapped: The file with the chunks already read, as
+            :func:`_map_column_chunks` returns it (``None``: read them here).
 
     Returns:
         The rows as an Arrow table.
@@ -152,10 +168,11 @@ def read_row_group(path: str, row_group: int, columns: Sequence[str],
     try:
         if metadata is None:
             metadata = _read_metadata(path)
-        _, chunks = _selected_chunks(metadata, row_group, columns)
+        if mapped is None:
+            _, chunks = _selected_chunks(metadata, row_group, columns)
+            mapped, _ = _map_column_chunks(path, chunks)
         parquet_file = pyarrow.parquet.ParquetFile(
-            _map_column_chunks(path, chunks), metadata=metadata,
-            pre_buffer=False)
+            mapped, metadata=metadata, pre_buffer=False)
         with parquet_file:
             return parquet_file.read_row_group(row_group, columns=list(columns))
     except (OSError, pyarrow.ArrowException, ValueError) as error:
@@ -212,10 +229,11 @@ def chunk_ranges(chunks, size: int) -> List[Tuple[int, int]]:
     return merged
 
 
-def _map_column_chunks(path: str, chunks):
+def _map_column_chunks(path: str, chunks) -> Tuple[Any, os.stat_result]:
     """``path`` with ``chunks`` read into the page cache, as Arrow should read it.
 
-    Returns a private, read-only memory map of the file: decoding from it
+    Returns ``(mapped, stat)``: ``stat`` is the opened file's, and
+    ``mapped`` a private, read-only memory map of the file: decoding from it
     reads the page cache in place, with no copy into a buffer of the
     process (measured on a 117 MB row group: 0.08 s of CPU to read and
     decode, against 0.17 s reading it into a new buffer first).  Where the
@@ -230,13 +248,13 @@ def _map_column_chunks(path: str, chunks):
     """
     fd = os.open(path, os.O_RDONLY)
     try:
-        _read_into_page_cache(fd, chunk_ranges(chunks, os.fstat(fd).st_size),
-                              path)
+        opened = os.fstat(fd)
+        _read_into_page_cache(fd, chunk_ranges(chunks, opened.st_size), path)
         try:
             return pyarrow.py_buffer(mmap.mmap(
-                fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ))
+                fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)), opened
         except (OSError, ValueError):
-            return path
+            return path, opened
     finally:
         os.close(fd)
 

@@ -47,7 +47,7 @@ from chainer_prefetch.errors import ExampleLoadError, WorkerDiedError, example_l
 from chainer_prefetch.iterators import _columnar_worker, _worker
 from chainer_prefetch.iterators import _scheduler as s
 from chainer_prefetch.iterators._worker_pool import TASKS_PER_WORKER, WorkerPool
-from chainer_prefetch.staging.sources import Source, as_source
+from chainer_prefetch.staging.sources import Source, as_source, using_reads_ahead
 
 #: Seconds the whole shutdown may take.
 STOP_SECONDS = 5.0
@@ -156,12 +156,18 @@ class CopyThreads:
     """Threads that run stage-2 copies; a copy not started yet can be cancelled.
 
     Copies of sources whose ``copied_one_at_a_time`` is set (such as Parquet
-    row groups) go to one thread of their own and run one after the other, in the order
-    submitted: each already reads in parallel pieces and decodes, so two at
-    once would only share the disk and the cores and both finish late,
-    where one at a time finishes the one needed first early.  The others
-    run on ``n_threads`` threads at once (many small files: the latency of
-    each hides behind the others).
+    row groups) are made one after the other, in the order submitted: each
+    already reads in parallel pieces and decodes, so two at once would only
+    share the disk and the cores and both finish late, where one at a time
+    finishes the one needed first early.  Two threads serve them as a
+    pipeline: one reads the next copy's origin ahead
+    (:meth:`~chainer_prefetch.staging.sources.Source.read_ahead`) while the
+    other makes the current one from what was read, so reading and decoding
+    overlap.  At most one copy is read ahead of the one being made, and none
+    whose origin file is the one being made (on some file systems, FUSE
+    without ``keep_cache`` among them, opening a file again drops the pages
+    that copy is decoding).  The other copies run on ``n_threads`` threads at
+    once (many small files: the latency of each hides behind the others).
 
     Args:
         n_threads: How many threads run the other copies.
@@ -174,14 +180,16 @@ class CopyThreads:
         self._post = post
         self._tasks = queue.SimpleQueue()
         self._tasks_alone = queue.SimpleQueue()
+        self._read_tasks = queue.SimpleQueue()  # (action, sources, reads ahead)
+        self._read_ahead_slots = threading.Semaphore(1)
         self._lock = threading.Lock()
         self._queued = {}  # copy id -> action, not started yet
-        self.threads = [threading.Thread(target=self._loop, args=(tasks,),
-                                         daemon=True, name=name)
-                        for tasks, name in [(self._tasks_alone,
-                                             'chainer_prefetch-copy-alone')] + [
-                            (self._tasks, 'chainer_prefetch-copy-{}'.format(i))
-                            for i in range(n_threads)]]
+        targets = [(self._read_ahead_loop, 'read-ahead'),
+                   (self._make_loop, 'copy-alone')] + [
+            (self._loop, 'copy-{}'.format(i)) for i in range(n_threads)]
+        self.threads = [threading.Thread(target=target, daemon=True,
+                                         name='chainer_prefetch-' + name)
+                        for target, name in targets]
         for thread in self.threads:
             thread.start()
 
@@ -203,23 +211,71 @@ class CopyThreads:
         with self._lock:
             self._queued.clear()
         self._tasks_alone.put(None)
-        for _ in self.threads[1:]:
+        for _ in self.threads[2:]:
             self._tasks.put(None)
 
-    def _loop(self, tasks: queue.SimpleQueue):
+    def _is_queued(self, copy_id) -> bool:
+        with self._lock:
+            return copy_id in self._queued
+
+    def _start(self, action: s.Copy) -> bool:
+        """Marks the copy started; ``False`` if it was cancelled."""
+        with self._lock:
+            return self._queued.pop(action.copy_id, None) is not None
+
+    def _make(self, action: s.Copy, sources: Sequence[Source]):
+        try:
+            event = self._run_copy(action, sources)
+        except BaseException as error:  # a bug must reach next()
+            event = _Crashed(error)
+        self._post(event)
+
+    def _loop(self):
         while True:
-            task = tasks.get()
+            task = self._tasks.get()
             if task is None:
                 return
+            if self._start(task[0]):
+                self._make(*task)
+
+    def _read_ahead_loop(self):
+        """Reads each one-at-a-time copy's origins ahead, in order, one copy ahead."""
+        origins_being_made = set()
+        while True:
+            task = self._tasks_alone.get()
+            if task is None:
+                self._read_tasks.put(None)
+                return
             action, sources = task
-            with self._lock:
-                if self._queued.pop(action.copy_id, None) is None:
-                    continue  # cancelled
-            try:
-                event = self._run_copy(action, sources)
-            except BaseException as error:  # a bug must reach next()
-                event = _Crashed(error)
-            self._post(event)
+            # Wait until the copy before is being made (or done).
+            self._read_ahead_slots.acquire()
+            if not self._is_queued(action.copy_id):  # cancelled
+                self._read_ahead_slots.release()
+                continue
+            origins = {source.origin for source in sources}
+            reads = []
+            if origins.isdisjoint(origins_being_made):
+                for source in sources:
+                    try:
+                        read = source.read_ahead()
+                    except Exception:  # the copy reads again and names it
+                        read = None
+                    if read is not None:
+                        reads.append(read)
+            origins_being_made = origins
+            self._read_tasks.put((action, sources, reads))
+
+    def _make_loop(self):
+        """Makes the one-at-a-time copies from what was read ahead for them."""
+        while True:
+            task = self._read_tasks.get()
+            if task is None:
+                return
+            self._read_ahead_slots.release()
+            action, sources, reads = task
+            if self._start(action):
+                with using_reads_ahead(reads):
+                    self._make(action, sources)
 
 
 class SharedBuffers:

@@ -112,13 +112,15 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             ``scripts/bench_minibatch.py`` ahead of 2 loader processes
             (12 and 16 performed alike, 8 did not).  Parquet row groups
             are copied one at a time on a thread of their own, in the
-            order needed (each reads in parallel pieces already).
+            order needed (each reads in parallel pieces already), while a
+            second thread reads the next one ahead.
         n_copy_ahead (int): How many batches stages 1-2 may run ahead of
             training.  Bounds memory and the files staged but not yet used.
             At start-up the window opens one batch per batch delivered, and
             wholly once no copy is in flight.  For Parquet row groups, at
-            least the rows of one row group (in batches), so that the next
-            one is made while the current one is read.
+            least the rows of two row groups (in batches): the next one is
+            then decoded while the current one is read, and the one after
+            it read ahead meanwhile.
         local_capacity (int): Limit in bytes of the copies under
             ``local_dir``, for nodes whose local storage is smaller than the
             dataset.  The limit is per directory and enforced jointly by

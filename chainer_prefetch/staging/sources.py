@@ -14,6 +14,10 @@ included:
   subclasses say how to read the part (:meth:`DerivedFile.load_from_origin`)
   and how to write its local form (:meth:`DerivedFile.write_local_form`).
 
+A source may read its origin *ahead* of its copy (:meth:`Source.read_ahead`):
+stage 2 reads the next one-at-a-time source while the current one is being
+made, and the copy then uses what was read (:func:`using_reads_ahead`).
+
 Every source has a ``name`` (the path its local copy mirrors: the file's own
 path, or a *virtual* path for a derived file, e.g.
 ``/shared/part-0.parquet.rg00003.arrow``) and an ``origin`` (the real file
@@ -21,10 +25,12 @@ on shared storage).  A local file is current while it is a regular file
 stamped with the origin's modification time (and, for a plain copy, has the
 origin's size): a changed origin makes it stale.
 """
+import contextlib
 import errno
 import os
 import stat
-from typing import Any, BinaryIO, Union
+import threading
+from typing import Any, BinaryIO, Optional, Sequence, Union
 
 from chainer_prefetch.errors import LocalStorageError, SourceFileError
 
@@ -82,6 +88,19 @@ class Source:
         """Whether a local file with ``local_stat`` is this source's current form."""
         return (stat.S_ISREG(local_stat.st_mode)
                 and local_stat.st_mtime_ns == origin_stat.st_mtime_ns)
+
+    def read_ahead(self) -> Optional['ReadAhead']:
+        """Reads what the next copy needs from the origin, ahead of the copy.
+
+        Called on another thread while the previous copy is being made; the
+        copy then starts from what was read (see :func:`using_reads_ahead`).
+        Errors are not reported here: the copy reads again and reports them.
+
+        Returns:
+            What was read, or ``None`` when this kind reads nothing ahead (the
+            default).
+        """
+        return None
 
     def write_local(self, out_fd: int, origin_stat: os.stat_result,
                     destination: str) -> int:
@@ -164,8 +183,12 @@ class DerivedFile(Source):
     def __hash__(self):
         return hash(self.name)
 
-    def load_from_origin(self) -> Any:
+    def load_from_origin(self, ahead: Any = None) -> Any:
         """Reads the content from ``origin``.
+
+        Args:
+            ahead: The ``value`` of this source's :meth:`read_ahead`, when it
+                read the origin as it still is; ``None`` to read it all here.
 
         Raises:
             OSError or ValueError: ``origin`` cannot be read or is corrupt;
@@ -179,7 +202,10 @@ class DerivedFile(Source):
 
     def write_local(self, out_fd, origin_stat, destination):
         try:
-            content = self.load_from_origin()
+            ahead = _take_read_ahead(self, origin_stat)
+            # (a subclass that reads nothing ahead may take no argument)
+            content = (self.load_from_origin() if ahead is None
+                       else self.load_from_origin(ahead))
             after = os.stat(self.origin)
         except (OSError, ValueError) as error:
             raise SourceFileError(
@@ -199,6 +225,59 @@ class DerivedFile(Source):
             raise local_error(error, destination) from error
         stamp(out_fd, origin_stat, destination)
         return written
+
+
+class ReadAhead:
+    """What :meth:`Source.read_ahead` read, for the copy of that source.
+
+    Args:
+        source_name: The source's ``name``.
+        origin_stat: ``os.stat`` of the origin as it was read (of the open
+            file): a copy whose origin has changed since reads it again.
+        value: What the source's copy takes (for a :class:`DerivedFile`, its
+            ``load_from_origin(ahead=value)``).
+    """
+
+    __slots__ = ('source_name', 'origin_stat', 'value')
+
+    def __init__(self, source_name: str, origin_stat: os.stat_result,
+                 value: Any):
+        self.source_name = source_name
+        self.origin_stat = origin_stat
+        self.value = value
+
+    def is_of(self, origin_stat: os.stat_result) -> bool:
+        """Whether it was read from the same file, unchanged, as ``origin_stat``."""
+        return all(getattr(self.origin_stat, key) == getattr(origin_stat, key)
+                   for key in ('st_dev', 'st_ino', 'st_size', 'st_mtime_ns'))
+
+
+_reads_ahead = threading.local()
+
+
+@contextlib.contextmanager
+def using_reads_ahead(reads: Sequence[ReadAhead]):
+    """Lets the copies made on this thread inside the block start from ``reads``.
+
+    Each read is used at most once, by the copy of its source, and only if
+    the origin is still the file it was read from; whatever is left unused
+    is dropped when the block ends.
+
+    Args:
+        reads: What :meth:`Source.read_ahead` returned for the sources about
+            to be copied.
+    """
+    _reads_ahead.by_name = {read.source_name: read for read in reads}
+    try:
+        yield
+    finally:
+        _reads_ahead.by_name = {}
+
+
+def _take_read_ahead(source: Source, origin_stat: os.stat_result) -> Any:
+    """The value read ahead for ``source`` that is still current, or ``None``."""
+    read = getattr(_reads_ahead, 'by_name', {}).pop(source.name, None)
+    return read.value if read is not None and read.is_of(origin_stat) else None
 
 
 def as_source(named: Union[str, os.PathLike, Source]) -> Source:

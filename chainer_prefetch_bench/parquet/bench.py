@@ -135,11 +135,12 @@ def _open_ours(config: Dict, columns: List[str]):
             dataset, BATCH_SIZE, n_processes=config['workers'],
             order_sampler=sampler)
     else:
-        # Stage one row group's worth of batches ahead: the next window's
-        # row groups are made while the last quarter of the current one is
-        # read.  (A window's worth made ahead row groups that the run never
-        # reached, and, beyond the local room, evicted some to make again.)
-        ahead = config.get('copy_ahead') or -(-int(max(
+        # Stage two row groups' worth of batches ahead: the next row group
+        # is decoded while the current one is read, and the one after it
+        # read ahead meanwhile.  (A window's worth made ahead row groups
+        # that the run never reached, and, beyond the local room, evicted
+        # some to make again.)
+        ahead = config.get('copy_ahead') or 2 * -(-int(max(
             dataset.row_group_sizes)) // BATCH_SIZE)
         iterator = PrefetchMultiprocessIterator(
             dataset, BATCH_SIZE, n_processes=config['workers'],

@@ -1,0 +1,177 @@
+"""Stage 2 reads the next one-at-a-time copy's origin while it makes the current one."""
+import os
+import threading
+import time
+
+import pytest
+
+from chainer_prefetch.iterators._executor import CopyThreads
+from chainer_prefetch.iterators._scheduler import Copy
+from chainer_prefetch.staging.sources import DerivedFile, ReadAhead
+
+MAKE_SECONDS = 0.05  # what each make takes
+READ_SECONDS = 0.01  # what each read ahead takes: faster, so it could run far ahead
+
+
+class LoggedFile(DerivedFile):
+    """A derived file whose reads ahead and makes are logged with their times."""
+
+    copied_one_at_a_time = True
+
+    def __init__(self, name, origin, log):
+        super().__init__(name, origin)
+        self.log = log
+
+    def read_ahead(self):
+        started = time.monotonic()
+        origin_stat = os.stat(self.origin)
+        time.sleep(READ_SECONDS)
+        self.log.append(('read', self.name, started, time.monotonic()))
+        return ReadAhead(self.name, origin_stat, b'read ahead')
+
+    def load_from_origin(self, ahead=None):
+        started = time.monotonic()
+        time.sleep(MAKE_SECONDS)
+        self.log.append(('make', self.name, started, time.monotonic(), ahead))
+        return ahead or b'read while made'
+
+    def write_local_form(self, content, out):
+        out.write(content)
+
+
+class Stage2:
+    """Real copy threads that write each source's local form into ``folder``."""
+
+    def __init__(self, folder, before_copy=None):
+        self.folder = folder
+        self.before_copy = before_copy
+        self.done = []
+        self.finished = threading.Semaphore(0)
+        self.threads = CopyThreads(2, self._run, self._post)
+
+    def _run(self, action, sources):
+        for source in sources:
+            if self.before_copy is not None:
+                self.before_copy(source)
+            path = os.path.join(self.folder, os.path.basename(source.name))
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            try:
+                source.write_local(fd, source.stat_origin(), path)
+            finally:
+                os.close(fd)
+        return action.copy_id
+
+    def _post(self, event):
+        self.done.append(event)
+        self.finished.release()
+
+    def wait(self, count):
+        for _ in range(count):
+            assert self.finished.acquire(timeout=10), 'a copy never finished'
+
+    def stop(self):
+        self.threads.stop()
+        for thread in self.threads.threads:
+            thread.join(5)
+            assert not thread.is_alive(), thread.name
+
+
+def _origins(tmp_path, count):
+    paths = []
+    for number in range(count):
+        path = str(tmp_path / 'origin-{}'.format(number))
+        with open(path, 'wb') as f:
+            f.write(b'x' * 10)
+        paths.append(path)
+    return paths
+
+
+def _submit(stage, sources):
+    for copy_id, source in enumerate(sources):
+        stage.threads.submit(Copy(copy_id, copy_id, copy_id, copy_id), [source])
+
+
+def test_the_next_copy_is_read_while_the_current_one_is_made(tmp_path):
+    log = []
+    origins = _origins(tmp_path, 5)
+    sources = [LoggedFile('/virtual/f{}'.format(k), origin, log)
+               for k, origin in enumerate(origins)]
+    stage = Stage2(str(tmp_path))
+    try:
+        _submit(stage, sources)
+        stage.wait(len(sources))
+    finally:
+        stage.stop()
+    assert stage.done == list(range(len(sources)))  # in the order submitted
+    reads = {entry[1]: entry for entry in log if entry[0] == 'read'}
+    makes = [entry for entry in log if entry[0] == 'make']
+    assert [entry[1] for entry in makes] == [s.name for s in sources]
+    assert all(ahead == b'read ahead' for *_, ahead in makes)
+    for before, after in zip(makes, makes[1:]):
+        assert before[3] <= after[2]  # one make at a time
+    for current, (_, name, *_rest) in zip(makes, makes[1:]):
+        read = reads[name]
+        # read while the one before was made...
+        assert read[2] < current[3] and read[3] > current[2]
+    for current, (_, name, *_rest) in zip(makes, makes[2:]):
+        # ... and never two ahead of the one being made
+        assert reads[name][2] >= current[2]
+    for source in sources:
+        with open(os.path.join(str(tmp_path), os.path.basename(source.name)),
+                  'rb') as f:
+            assert f.read() == b'read ahead'
+
+
+def test_no_read_ahead_of_the_file_being_made_or_of_a_changed_one(tmp_path):
+    log = []
+    first, second = _origins(tmp_path, 2)
+    sources = [LoggedFile('/virtual/a', first, log),
+               LoggedFile('/virtual/b', first, log),   # same file as the one before
+               LoggedFile('/virtual/c', second, log)]  # changes after its read
+
+    def change_c(source):
+        if source.name == '/virtual/c':
+            with open(second, 'ab') as f:
+                f.write(b'more')
+
+    stage = Stage2(str(tmp_path), before_copy=change_c)
+    try:
+        _submit(stage, sources)
+        stage.wait(len(sources))
+    finally:
+        stage.stop()
+    read_names = [entry[1] for entry in log if entry[0] == 'read']
+    assert '/virtual/b' not in read_names and '/virtual/c' in read_names
+    made = {entry[1]: entry[4] for entry in log if entry[0] == 'make'}
+    assert made == {'/virtual/a': b'read ahead', '/virtual/b': None,
+                    '/virtual/c': None}  # c read again: its origin changed
+
+
+def test_a_cancelled_copy_is_neither_read_ahead_nor_made(tmp_path):
+    log = []
+    origins = _origins(tmp_path, 3)
+    sources = [LoggedFile('/virtual/f{}'.format(k), origin, log)
+               for k, origin in enumerate(origins)]
+    stage = Stage2(str(tmp_path))
+    try:
+        # The first copy holds the threads; the third is cancelled meanwhile.
+        _submit(stage, sources)
+        assert stage.threads.cancel([2]) == (2,)
+        stage.wait(2)
+        time.sleep(3 * MAKE_SECONDS)
+    finally:
+        stage.stop()
+    assert stage.done == [0, 1]
+    assert '/virtual/f2' not in {entry[1] for entry in log}
+
+
+@pytest.mark.timeout(30)
+def test_stop_ends_both_threads_with_copies_still_queued(tmp_path):
+    log = []
+    origins = _origins(tmp_path, 6)
+    stage = Stage2(str(tmp_path))
+    _submit(stage, [LoggedFile('/virtual/f{}'.format(k), origin, log)
+                    for k, origin in enumerate(origins)])
+    time.sleep(MAKE_SECONDS / 2)
+    stage.stop()  # asserts every thread ended
+    assert len(stage.done) <= 2
