@@ -9,7 +9,7 @@ from chainer_prefetch.iterators._executor import CopyThreads
 from chainer_prefetch.iterators._scheduler import Copy
 from chainer_prefetch.staging.sources import DerivedFile, ReadAhead
 
-MAKE_SECONDS = 0.05  # what each make takes
+MAKE_SECONDS = 0.1  # what each make takes
 READ_SECONDS = 0.01  # what each read ahead takes: faster, so it could run far ahead
 
 
@@ -42,12 +42,14 @@ class LoggedFile(DerivedFile):
 class Stage2:
     """Real copy threads that write each source's local form into ``folder``."""
 
-    def __init__(self, folder, before_copy=None):
+    def __init__(self, folder, before_copy=None, local=()):
         self.folder = folder
         self.before_copy = before_copy
         self.done = []
         self.finished = threading.Semaphore(0)
-        self.threads = CopyThreads(2, self._run, self._post)
+        self.threads = CopyThreads(
+            2, self._run, self._post,
+            lambda sources: any(s.name not in local for s in sources))
 
     def _run(self, action, sources):
         for source in sources:
@@ -110,12 +112,11 @@ def test_the_next_copy_is_read_while_the_current_one_is_made(tmp_path):
     for before, after in zip(makes, makes[1:]):
         assert before[3] <= after[2]  # one make at a time
     for current, (_, name, *_rest) in zip(makes, makes[1:]):
-        read = reads[name]
         # read while the one before was made...
-        assert read[2] < current[3] and read[3] > current[2]
+        assert reads[name][2] < current[3]
     for current, (_, name, *_rest) in zip(makes, makes[2:]):
         # ... and never two ahead of the one being made
-        assert reads[name][2] >= current[2]
+        assert reads[name][2] >= current[3]
     for source in sources:
         with open(os.path.join(str(tmp_path), os.path.basename(source.name)),
                   'rb') as f:
@@ -175,3 +176,38 @@ def test_stop_ends_both_threads_with_copies_still_queued(tmp_path):
     time.sleep(MAKE_SECONDS / 2)
     stage.stop()  # asserts every thread ended
     assert len(stage.done) <= 2
+
+
+def test_a_source_already_local_is_not_read_ahead(tmp_path):
+    log = []
+    origins = _origins(tmp_path, 3)
+    sources = [LoggedFile('/virtual/f{}'.format(k), origin, log)
+               for k, origin in enumerate(origins)]
+    stage = Stage2(str(tmp_path), local={'/virtual/f1'})
+    try:
+        _submit(stage, sources)
+        stage.wait(len(sources))
+    finally:
+        stage.stop()
+    assert [entry[1] for entry in log if entry[0] == 'read'] == [
+        '/virtual/f0', '/virtual/f2']
+
+
+class FailingRead(LoggedFile):
+    def read_ahead(self):
+        raise RuntimeError('read ahead failed')
+
+
+def test_a_failing_read_ahead_leaves_the_copy_to_read(tmp_path):
+    log = []
+    origins = _origins(tmp_path, 2)
+    sources = [FailingRead('/virtual/f0', origins[0], log),
+               FailingRead('/virtual/f1', origins[1], log)]
+    stage = Stage2(str(tmp_path))
+    try:
+        _submit(stage, sources)
+        stage.wait(len(sources))
+    finally:
+        stage.stop()
+    assert stage.done == [0, 1]
+    assert [entry[4] for entry in log if entry[0] == 'make'] == [None, None]

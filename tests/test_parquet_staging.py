@@ -11,7 +11,9 @@ import pytest
 
 from chainer_prefetch import PrefetchMultiprocessIterator
 from chainer_prefetch.datasets import ParquetDataset, RowGroupFile, RowGroupWindowOrderSampler
+from chainer_prefetch.datasets import parquet as parquet_module
 from chainer_prefetch.staging import LocalDirectory, SourceFileError, resolve_dataset_files
+from chainer_prefetch.staging.sources import using_reads_ahead
 from chainer_prefetch_bench.testbed import parquet_dataset as make_parquet_dataset
 
 ROWS, FILES, ROW_GROUP_ROWS = 120, 3, 10  # 12 row groups
@@ -273,16 +275,20 @@ def test_row_groups_are_copied_one_at_a_time_in_the_order_needed(
 
 
 def test_a_row_group_read_ahead_is_staged_alike_and_a_replaced_file_read_again(
-        shop, tmp_path):
-    from chainer_prefetch.staging.sources import using_reads_ahead
+        shop, tmp_path, monkeypatch):
     directory = LocalDirectory(str(tmp_path / 'local'))
     derived = RowGroupFile(_part(shop), 1, ('id', 'image'))
     expected = pyarrow.parquet.ParquetFile(_part(shop)).read_row_group(
         1, columns=['id', 'image'])
     ahead = derived.read_ahead()
     assert ahead.source_name == derived.name
+    reads = []
+    monkeypatch.setattr(parquet_module, '_map_column_chunks',
+                        lambda *args: reads.append(args))
     with using_reads_ahead([ahead]):
         directory.stage(derived)
+    assert reads == []  # only decoded: the chunks were read ahead
+    monkeypatch.undo()
     staged = pyarrow.ipc.open_file(pyarrow.memory_map(
         directory.local_path(derived))).read_all()
     assert staged.equals(expected)

@@ -47,7 +47,7 @@ from chainer_prefetch.errors import ExampleLoadError, WorkerDiedError, example_l
 from chainer_prefetch.iterators import _columnar_worker, _worker
 from chainer_prefetch.iterators import _scheduler as s
 from chainer_prefetch.iterators._worker_pool import TASKS_PER_WORKER, WorkerPool
-from chainer_prefetch.staging.sources import Source, as_source, using_reads_ahead
+from chainer_prefetch.staging.sources import ReadAhead, Source, as_source, using_reads_ahead
 
 #: Seconds the whole shutdown may take.
 STOP_SECONDS = 5.0
@@ -169,18 +169,26 @@ class CopyThreads:
     that copy is decoding).  The other copies run on ``n_threads`` threads at
     once (many small files: the latency of each hides behind the others).
 
+    Only sources that still need a copy are read ahead (``needs_copy``):
+    in later epochs, stage 2 finds most row groups current and reads
+    nothing.  When a copy had nothing read ahead, the next read waits until
+    that copy is done, so that the two never read at once.
+
     Args:
         n_threads: How many threads run the other copies.
         run: ``run(copy_action, sources) -> event``, called on a copy thread.
         post: Where events go.
+        needs_copy: ``needs_copy(sources) -> bool``, whether a copy would
+            read their origins (not when the local forms are current).
     """
 
-    def __init__(self, n_threads: int, run, post):
+    def __init__(self, n_threads: int, run, post, needs_copy):
         self._run_copy = run
         self._post = post
+        self._needs_copy = needs_copy
         self._tasks = queue.SimpleQueue()
         self._tasks_alone = queue.SimpleQueue()
-        self._read_tasks = queue.SimpleQueue()  # (action, sources, reads ahead)
+        self._to_make = queue.SimpleQueue()  # (action, sources, reads ahead)
         self._read_ahead_slots = threading.Semaphore(1)
         self._lock = threading.Lock()
         self._queued = {}  # copy id -> action, not started yet
@@ -223,9 +231,10 @@ class CopyThreads:
         with self._lock:
             return self._queued.pop(action.copy_id, None) is not None
 
-    def _make(self, action: s.Copy, sources: Sequence[Source]):
+    def _make(self, action: s.Copy, sources: Sequence[Source], reads=()):
         try:
-            event = self._run_copy(action, sources)
+            with using_reads_ahead(reads):
+                event = self._run_copy(action, sources)
         except BaseException as error:  # a bug must reach next()
             event = _Crashed(error)
         self._post(event)
@@ -240,42 +249,50 @@ class CopyThreads:
 
     def _read_ahead_loop(self):
         """Reads each one-at-a-time copy's origins ahead, in order, one copy ahead."""
-        origins_being_made = set()
+        origins_before = set()  # of the copy handed over last
         while True:
             task = self._tasks_alone.get()
             if task is None:
-                self._read_tasks.put(None)
+                self._to_make.put(None)
                 return
-            action, sources = task
             # Wait until the copy before is being made (or done).
             self._read_ahead_slots.acquire()
-            if not self._is_queued(action.copy_id):  # cancelled
+            if not self._is_queued(task[0].copy_id):  # cancelled
                 self._read_ahead_slots.release()
                 continue
-            origins = {source.origin for source in sources}
-            reads = []
-            if origins.isdisjoint(origins_being_made):
-                for source in sources:
-                    try:
-                        read = source.read_ahead()
-                    except Exception:  # the copy reads again and names it
-                        read = None
-                    if read is not None:
-                        reads.append(read)
-            origins_being_made = origins
-            self._read_tasks.put((action, sources, reads))
+            origins = {source.origin for source in task[1]}
+            reads = ([] if not origins.isdisjoint(origins_before)
+                     else self._read_ahead(task[1]))
+            origins_before = origins
+            self._to_make.put(task + (reads,))
+            reads = None  # (owned by the copy thread now)
+
+    def _read_ahead(self, sources: Sequence[Source]) -> list:
+        """What was read ahead for ``sources`` (nothing if they need no copy)."""
+        try:
+            if not self._needs_copy(sources):
+                return []
+            reads = [source.read_ahead() for source in sources]
+        except Exception:  # the copy reads again and names the file
+            return []
+        return [read for read in reads if isinstance(read, ReadAhead)]
 
     def _make_loop(self):
         """Makes the one-at-a-time copies from what was read ahead for them."""
         while True:
-            task = self._read_tasks.get()
+            task = self._to_make.get()
             if task is None:
                 return
-            self._read_ahead_slots.release()
             action, sources, reads = task
+            task = None
+            was_read_ahead = bool(reads)
+            if was_read_ahead:
+                self._read_ahead_slots.release()  # read the next meanwhile
             if self._start(action):
-                with using_reads_ahead(reads):
-                    self._make(action, sources)
+                self._make(action, sources, reads)
+            reads = None  # the maps read ahead go now, not after the next copy
+            if not was_read_ahead:
+                self._read_ahead_slots.release()  # it read alone; now the next
 
 
 class SharedBuffers:
@@ -446,7 +463,7 @@ class Executor:
         self._buffers = SharedBuffers(self._pool, self._events.put)
         if self._store is not None:
             self._copies = CopyThreads(settings.n_copy_threads, self._copy,
-                                       self._events.put)
+                                       self._events.put, self._store.needs_copy)
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name='chainer_prefetch-pipeline')
         _live_executors.add(self)

@@ -185,6 +185,18 @@ class LocalStore:
         finally:
             self.counters.add(copy_seconds=time.perf_counter() - started)
 
+    def needs_copy(self, sources: Sequence[Source]) -> bool:
+        """Whether :meth:`stage` would read the origin of one of ``sources``.
+
+        Not when every local form is current, nor when copying is disabled.
+
+        Raises:
+            SourceFileError: an origin cannot be read.
+        """
+        return self.disabled is None and any(
+            not self.directory.is_current(source, source.stat_origin())
+            for source in sources)
+
     def hold(self, item: int, now: int) -> bool:
         """Keeps a stored item from eviction until :meth:`used` reports access ``now``.
 

@@ -249,7 +249,8 @@ class ReadAhead:
     def is_of(self, origin_stat: os.stat_result) -> bool:
         """Whether it was read from the same file, unchanged, as ``origin_stat``."""
         return all(getattr(self.origin_stat, key) == getattr(origin_stat, key)
-                   for key in ('st_dev', 'st_ino', 'st_size', 'st_mtime_ns'))
+                   for key in ('st_dev', 'st_ino', 'st_size', 'st_mtime_ns',
+                               'st_ctime_ns'))
 
 
 _reads_ahead = threading.local()
