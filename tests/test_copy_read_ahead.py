@@ -93,17 +93,26 @@ def _submit(stage, sources):
         stage.threads.submit(Copy(copy_id, copy_id, copy_id, copy_id), [source])
 
 
-def test_the_next_copy_is_read_while_the_current_one_is_made(tmp_path):
-    log = []
-    origins = _origins(tmp_path, 5)
-    sources = [LoggedFile('/virtual/f{}'.format(k), origin, log)
-               for k, origin in enumerate(origins)]
-    stage = Stage2(str(tmp_path))
+def _logged_files(tmp_path, count, log, kind=LoggedFile):
+    return [kind('/virtual/f{}'.format(k), origin, log)
+            for k, origin in enumerate(_origins(tmp_path, count))]
+
+
+def _copy_all(tmp_path, sources, **stage_options) -> Stage2:
+    """Submits every copy to real copy threads, waits for them all, stops."""
+    stage = Stage2(str(tmp_path), **stage_options)
     try:
         _submit(stage, sources)
         stage.wait(len(sources))
     finally:
         stage.stop()
+    return stage
+
+
+def test_the_next_copy_is_read_while_the_current_one_is_made(tmp_path):
+    log = []
+    sources = _logged_files(tmp_path, 5, log)
+    stage = _copy_all(tmp_path, sources)
     assert stage.done == list(range(len(sources)))  # in the order submitted
     reads = {entry[1]: entry for entry in log if entry[0] == 'read'}
     makes = [entry for entry in log if entry[0] == 'make']
@@ -135,12 +144,7 @@ def test_no_read_ahead_of_the_file_being_made_or_of_a_changed_one(tmp_path):
             with open(second, 'ab') as f:
                 f.write(b'more')
 
-    stage = Stage2(str(tmp_path), before_copy=change_c)
-    try:
-        _submit(stage, sources)
-        stage.wait(len(sources))
-    finally:
-        stage.stop()
+    _copy_all(tmp_path, sources, before_copy=change_c)
     read_names = [entry[1] for entry in log if entry[0] == 'read']
     assert '/virtual/b' not in read_names and '/virtual/c' in read_names
     made = {entry[1]: entry[4] for entry in log if entry[0] == 'make'}
@@ -150,9 +154,7 @@ def test_no_read_ahead_of_the_file_being_made_or_of_a_changed_one(tmp_path):
 
 def test_a_cancelled_copy_is_neither_read_ahead_nor_made(tmp_path):
     log = []
-    origins = _origins(tmp_path, 3)
-    sources = [LoggedFile('/virtual/f{}'.format(k), origin, log)
-               for k, origin in enumerate(origins)]
+    sources = _logged_files(tmp_path, 3, log)
     stage = Stage2(str(tmp_path))
     try:
         # The first copy holds the threads; the third is cancelled meanwhile.
@@ -168,11 +170,8 @@ def test_a_cancelled_copy_is_neither_read_ahead_nor_made(tmp_path):
 
 @pytest.mark.timeout(30)
 def test_stop_ends_both_threads_with_copies_still_queued(tmp_path):
-    log = []
-    origins = _origins(tmp_path, 6)
     stage = Stage2(str(tmp_path))
-    _submit(stage, [LoggedFile('/virtual/f{}'.format(k), origin, log)
-                    for k, origin in enumerate(origins)])
+    _submit(stage, _logged_files(tmp_path, 6, []))
     time.sleep(MAKE_SECONDS / 2)
     stage.stop()  # asserts every thread ended
     assert len(stage.done) <= 2
@@ -180,15 +179,7 @@ def test_stop_ends_both_threads_with_copies_still_queued(tmp_path):
 
 def test_a_source_already_local_is_not_read_ahead(tmp_path):
     log = []
-    origins = _origins(tmp_path, 3)
-    sources = [LoggedFile('/virtual/f{}'.format(k), origin, log)
-               for k, origin in enumerate(origins)]
-    stage = Stage2(str(tmp_path), local={'/virtual/f1'})
-    try:
-        _submit(stage, sources)
-        stage.wait(len(sources))
-    finally:
-        stage.stop()
+    _copy_all(tmp_path, _logged_files(tmp_path, 3, log), local={'/virtual/f1'})
     assert [entry[1] for entry in log if entry[0] == 'read'] == [
         '/virtual/f0', '/virtual/f2']
 
@@ -200,14 +191,6 @@ class FailingRead(LoggedFile):
 
 def test_a_failing_read_ahead_leaves_the_copy_to_read(tmp_path):
     log = []
-    origins = _origins(tmp_path, 2)
-    sources = [FailingRead('/virtual/f0', origins[0], log),
-               FailingRead('/virtual/f1', origins[1], log)]
-    stage = Stage2(str(tmp_path))
-    try:
-        _submit(stage, sources)
-        stage.wait(len(sources))
-    finally:
-        stage.stop()
+    stage = _copy_all(tmp_path, _logged_files(tmp_path, 2, log, FailingRead))
     assert stage.done == [0, 1]
     assert [entry[4] for entry in log if entry[0] == 'make'] == [None, None]

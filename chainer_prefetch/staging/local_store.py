@@ -27,6 +27,7 @@ shared storage, never from a partial file.
 """
 import dataclasses
 import functools
+import os
 import threading
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -169,13 +170,10 @@ class LocalStore:
         started = time.perf_counter()
         try:
             try:
-                origin_stats = [source.stat_origin() for source in sources]
+                missing = self._missing(sources)
             except SourceFileError:
                 self.counters.add(files_failed_source=1)
                 return StageResult(False)
-            missing = [(source, origin_stat) for source, origin_stat
-                       in zip(sources, origin_stats)
-                       if not self.directory.is_current(source, origin_stat)]
             self.counters.add(files_already_local=len(sources) - len(missing))
             if missing and self.disabled is not None:
                 return StageResult(False)
@@ -193,9 +191,19 @@ class LocalStore:
         Raises:
             SourceFileError: an origin cannot be read.
         """
-        return self.disabled is None and any(
-            not self.directory.is_current(source, source.stat_origin())
-            for source in sources)
+        return self.disabled is None and bool(self._missing(sources))
+
+    def _missing(self, sources: Sequence[Source]
+                 ) -> List[Tuple[Source, os.stat_result]]:
+        """The sources without a current local form, with their origins' stats.
+
+        Raises:
+            SourceFileError: an origin cannot be read.
+        """
+        origin_stats = [source.stat_origin() for source in sources]
+        return [(source, origin_stat) for source, origin_stat
+                in zip(sources, origin_stats)
+                if not self.directory.is_current(source, origin_stat)]
 
     def hold(self, item: int, now: int) -> bool:
         """Keeps a stored item from eviction until :meth:`used` reports access ``now``.
