@@ -48,7 +48,11 @@ def make_jpeg_dataset(directory, n_images, size=32, seed=0, quality=90,
         path = os.path.join(root, relative)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         pixels = random.randint(0, 256, (size, size, 3)).astype(numpy.uint8)
-        Image.fromarray(pixels).save(path, quality=quality)
+        # Written aside, then renamed into place: a dataset rewritten while
+        # an iterator runs never shows a half-written image.
+        Image.fromarray(pixels).save(path + '.new', format='JPEG',
+                                     quality=quality)
+        os.replace(path + '.new', path)
         lines.append('{} {}\n'.format(relative, i % 3))
         paths.append(path)
     list_file = os.path.join(root, list_name)
