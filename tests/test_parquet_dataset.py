@@ -3,6 +3,8 @@ import errno
 import io
 import os
 import shutil
+import threading
+import time
 
 import chainer
 import numpy as np
@@ -146,6 +148,54 @@ def test_truncated_file_is_named(shop, tmp_path):
         f.truncate(os.path.getsize(victim) // 2)
     with pytest.raises(ParquetFileError, match=victim):
         ParquetDataset(directory)
+
+
+def test_the_footers_of_a_dataset_are_read_at_once(shop, monkeypatch):
+    # Each read waits until all three files' reads have begun: read one
+    # after the other, the barrier breaks (after its timeout) and opening fails.
+    barrier = threading.Barrier(FILES, timeout=10)
+    read = parquet_module._read_metadata
+
+    def read_when_all_started(path):
+        barrier.wait()
+        return read(path)
+
+    monkeypatch.setattr(parquet_module, '_read_metadata', read_when_all_started)
+    dataset = ParquetDataset(shop)
+    assert dataset.files == sorted(dataset.files)
+    assert [metadata.num_rows for metadata in dataset._metadata] == [30] * FILES
+    assert [dataset[i]['id'] for i in (0, 45, 89)] == [0, 45, 89]
+
+
+def test_the_first_unreadable_footer_is_named_and_later_ones_are_not_read():
+    started = []
+
+    def read(item):
+        started.append(item)
+        if item == 1:
+            raise ParquetFileError('file {} is not a readable Parquet file'.format(item))
+        time.sleep(0.1)  # 50 s for all of them on 2 threads, were they not dropped
+        return item
+
+    with pytest.raises(ParquetFileError, match='file 1 '):
+        parquet_module.map_in_threads(read, list(range(1000)), 2, 'test')
+    assert len(started) < 500  # those queued behind the error were dropped
+    assert not [thread for thread in threading.enumerate()
+                if thread.name.startswith('chainer_prefetch-test')]
+    assert parquet_module.map_in_threads(lambda x: x * x, [3, 1, 2], 2,
+                                         'test') == [9, 1, 4]
+
+
+def test_the_error_raised_is_the_first_failing_item_in_order():
+    def read(item):
+        if item == 1:
+            time.sleep(0.5)  # fails last
+        if item in (1, 3):
+            raise ParquetFileError('file {} is not readable'.format(item))
+        return item
+
+    with pytest.raises(ParquetFileError, match='file 1 '):
+        parquet_module.map_in_threads(read, [0, 1, 2, 3], 4, 'test')
 
 
 def test_corrupt_data_is_named_when_read_and_metadata_still_works(shop, tmp_path):

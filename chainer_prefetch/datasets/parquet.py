@@ -192,6 +192,10 @@ def _selected_chunks(metadata, row_group: int, columns: Sequence[str]):
 READ_PIECE_BYTES = 4 << 20
 #: ... at most this many at a time.
 READ_THREADS = 8
+#: The footers of a dataset's files are read this many at a time: on
+#: shared storage each read waits its latency (8 files through the emulated
+#: shared storage, measured once: 0.20 s one after the other, 0.03 s so).
+FOOTER_THREADS = 16
 #: Selected column chunks closer than this are read as one range (the
 #: bytes between them too: one request instead of two).
 MERGE_GAP_BYTES = 1 << 20
@@ -289,15 +293,40 @@ def _read_into_page_cache(fd: int, ranges: Sequence[Tuple[int, int]],
                               'column chunk (up to {})'.format(at, end), path)
             at += got
 
-    if len(pieces) <= 1:  # one piece, or no column chunk at all
-        for piece in pieces:
-            read_piece(piece)
-        return
-    with concurrent.futures.ThreadPoolExecutor(
-            min(READ_THREADS, len(pieces)),
-            thread_name_prefix='chainer_prefetch-read') as pool:
-        for future in [pool.submit(read_piece, piece) for piece in pieces]:
-            future.result()
+    map_in_threads(read_piece, pieces, READ_THREADS, 'read')
+
+
+def map_in_threads(function: Callable[[Any], Any], items: Sequence[Any],
+                   max_threads: int, name: str) -> List[Any]:
+    """``[function(item) for item in items]``, run by up to ``max_threads`` threads.
+
+    For reads that wait on storage (they release the GIL).  Results are
+    collected in the items' order; the first item in that order whose call
+    failed has its error raised, once the calls before it are done.  Then,
+    or on an interrupt, the items not started are dropped and those
+    running are waited for: no thread outlives the call.
+
+    Args:
+        function: Called once per item.
+        items: The items.
+        max_threads: Most threads to run at once (one item: none started).
+        name: Part of the threads' names (``chainer_prefetch-<name>_<i>``).
+
+    Returns:
+        ``function(item)`` for each item, in order.
+
+    Raises:
+        Exception: what ``function`` raised for the first failing item.
+    """
+    if len(items) <= 1:
+        return [function(item) for item in items]
+    pool = concurrent.futures.ThreadPoolExecutor(
+        min(max_threads, len(items)), thread_name_prefix='chainer_prefetch-'
+        + name)
+    try:
+        return list(pool.map(function, items))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _chunk_start(chunk) -> int:
@@ -404,7 +433,8 @@ class ParquetDataset(DatasetMixin):
         if partitioning not in ('hive', None):
             raise ValueError("partitioning must be 'hive' or None, got {!r}"
                              .format(partitioning))
-        self._metadata = [_read_metadata(path) for path in self.files]
+        self._metadata = map_in_threads(_read_metadata, self.files,
+                                        FOOTER_THREADS, 'footer')
         self.file_schema = _common_schema(self.files, self._metadata)
         self.partitions = (discover_partitions(
             self.files, base_directory(paths, self.files), partition_types)
