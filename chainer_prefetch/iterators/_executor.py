@@ -186,6 +186,7 @@ class CopyThreads:
         self._run_copy = run
         self._post = post
         self._needs_copy = needs_copy
+        self._n_threads = n_threads  # beside the read-ahead and copy-alone ones
         self._tasks = queue.SimpleQueue()
         self._tasks_alone = queue.SimpleQueue()
         self._to_make = queue.SimpleQueue()  # (action, sources, reads ahead)
@@ -219,7 +220,7 @@ class CopyThreads:
         with self._lock:
             self._queued.clear()
         self._tasks_alone.put(None)
-        for _ in self.threads[2:]:
+        for _ in range(self._n_threads):
             self._tasks.put(None)
 
     def _is_queued(self, copy_id) -> bool:
