@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from chainer_prefetch.iterators._executor import CopyThreads
+from chainer_prefetch.iterators._executor import READS_AHEAD, CopyThreads
 from chainer_prefetch.iterators._scheduler import Copy
 from chainer_prefetch.staging.sources import DerivedFile, ReadAhead
 
@@ -22,11 +22,12 @@ class LoggedFile(DerivedFile):
         super().__init__(name, origin)
         self.log = log
 
-    def read_ahead(self):
+    def read_ahead(self, opened=None):
         started = time.monotonic()
-        origin_stat = os.stat(self.origin)
+        origin_stat = os.fstat(opened)
+        assert os.path.samestat(origin_stat, os.stat(self.origin))
         time.sleep(READ_SECONDS)
-        self.log.append(('read', self.name, started, time.monotonic()))
+        self.log.append(('read', self.name, started, time.monotonic(), opened))
         return ReadAhead(self.name, origin_stat, b'read ahead')
 
     def load_from_origin(self, ahead=None):
@@ -123,8 +124,8 @@ def test_the_next_copy_is_read_while_the_current_one_is_made(tmp_path):
     for current, (_, name, *_rest) in zip(makes, makes[1:]):
         # read while the one before was made...
         assert reads[name][2] < current[3]
-    for current, (_, name, *_rest) in zip(makes, makes[2:]):
-        # ... and never two ahead of the one being made
+    for current, (_, name, *_rest) in zip(makes, makes[1 + READS_AHEAD:]):
+        # ... and never more than READS_AHEAD ahead of the one being made
         assert reads[name][2] >= current[3]
     for source in sources:
         with open(os.path.join(str(tmp_path), os.path.basename(source.name)),
@@ -132,12 +133,38 @@ def test_the_next_copy_is_read_while_the_current_one_is_made(tmp_path):
             assert f.read() == b'read ahead'
 
 
-def test_no_read_ahead_of_the_file_being_made_or_of_a_changed_one(tmp_path):
+def _descriptors_of(path):
+    """This process's open descriptors of ``path``."""
+    found = []
+    for name in os.listdir('/proc/self/fd'):
+        try:
+            if os.readlink('/proc/self/fd/' + name) == path:
+                found.append(int(name))
+        except OSError:
+            pass  # (the listing's own descriptor, closed by now)
+    return found
+
+
+def test_a_file_read_or_made_meanwhile_is_read_ahead_without_opening_it_again(
+        tmp_path, monkeypatch):
     log = []
-    first, second = _origins(tmp_path, 2)
+    opens = []
+    real_open = os.open
+
+    def logged_open(path, *args, **kwargs):
+        opens.append(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, 'open', logged_open)
+    first, second, third, fourth, fifth = _origins(tmp_path, 5)
     sources = [LoggedFile('/virtual/a', first, log),
                LoggedFile('/virtual/b', first, log),   # same file as the one before
-               LoggedFile('/virtual/c', second, log)]  # changes after its read
+               LoggedFile('/virtual/c', second, log),  # changes after its read
+               LoggedFile('/virtual/d', first, log),   # a, b's file: read recently
+               LoggedFile('/virtual/e', third, log),
+               LoggedFile('/virtual/f', fourth, log),
+               LoggedFile('/virtual/g', fifth, log),
+               LoggedFile('/virtual/h', first, log)]   # not read since d
 
     def change_c(source):
         if source.name == '/virtual/c':
@@ -145,11 +172,21 @@ def test_no_read_ahead_of_the_file_being_made_or_of_a_changed_one(tmp_path):
                 f.write(b'more')
 
     _copy_all(tmp_path, sources, before_copy=change_c)
-    read_names = [entry[1] for entry in log if entry[0] == 'read']
-    assert '/virtual/b' not in read_names and '/virtual/c' in read_names
+    monkeypatch.undo()
+    opened = {entry[1]: entry[4] for entry in log if entry[0] == 'read'}
+    assert list(opened) == [source.name for source in sources]
+    # b is read while a is made, through the descriptor a's read opened
+    # (opening the file again drops a's pages on FUSE without keep_cache);
+    # so is d, read while b may still be made.
+    assert opened['/virtual/a'] == opened['/virtual/b'] == opened['/virtual/d']
+    origins = (first, second, third, fourth, fifth)
+    assert [path for path in opens if path in origins] == [
+        first, second, third, fourth, fifth, first]  # for a, c, e, f, g, h
     made = {entry[1]: entry[4] for entry in log if entry[0] == 'make'}
-    assert made == {'/virtual/a': b'read ahead', '/virtual/b': None,
-                    '/virtual/c': None}  # c read again: its origin changed
+    assert made == {source.name: (None if source.name == '/virtual/c'  # changed
+                                  else b'read ahead') for source in sources}
+    # Every descriptor kept open for a next read is closed with the threads.
+    assert [_descriptors_of(path) for path in origins] == [[]] * len(origins)
 
 
 def test_a_cancelled_copy_is_neither_read_ahead_nor_made(tmp_path):
@@ -185,7 +222,7 @@ def test_a_source_already_local_is_not_read_ahead(tmp_path):
 
 
 class FailingRead(LoggedFile):
-    def read_ahead(self):
+    def read_ahead(self, opened=None):
         raise RuntimeError('read ahead failed')
 
 

@@ -306,3 +306,28 @@ def test_a_row_group_read_ahead_is_staged_alike_and_a_replaced_file_read_again(
         directory.local_path(other))).read_all()
     assert staged.equals(replacement.select(['id', 'image']).slice(
         2 * ROW_GROUP_ROWS, ROW_GROUP_ROWS).combine_chunks())
+
+
+def test_a_row_group_is_read_ahead_through_a_file_already_open(
+        shop, tmp_path, monkeypatch):
+    directory = LocalDirectory(str(tmp_path / 'local'))
+    derived = RowGroupFile(_part(shop), 1, ('id', 'image'))
+    opened = os.open(_part(shop), os.O_RDONLY)
+    try:
+        def no_open(path, *args, **kwargs):
+            raise AssertionError('opened {} again'.format(path))
+
+        monkeypatch.setattr(os, 'open', no_open)
+        ahead = derived.read_ahead(opened)
+        monkeypatch.undo()
+        os.fstat(opened)  # still open: the caller's to close
+    finally:
+        os.close(opened)
+    monkeypatch.setattr(parquet_module, '_map_column_chunks', None)
+    with using_reads_ahead([ahead]):
+        directory.stage(derived)  # decodes what was read ahead, reads nothing
+    monkeypatch.undo()
+    staged = pyarrow.ipc.open_file(pyarrow.memory_map(
+        directory.local_path(derived))).read_all()
+    assert staged.equals(pyarrow.parquet.ParquetFile(_part(shop)).read_row_group(
+        1, columns=['id', 'image']))

@@ -116,14 +116,20 @@ class RowGroupFile(DerivedFile):
         group, _ = self._column_chunks()
         return self.source_bytes(origin_stat) // max(1, group.num_rows)
 
-    def read_ahead(self) -> ReadAhead:
+    def read_ahead(self, opened: Optional[int] = None) -> ReadAhead:
         """Reads the row group's column chunks into the page cache, and maps the file.
 
         The copy then only decodes (:meth:`load_from_origin`), so stage 2
-        reads one row group while it decodes the one before.
+        reads one row group while it decodes the one before, of the same
+        file too.
+
+        Args:
+            opened: A descriptor of the Parquet file to read through instead
+                of opening it (see :meth:`Source.read_ahead
+                <chainer_prefetch.staging.sources.Source.read_ahead>`).
         """
         _, chunks = self._column_chunks()
-        mapped, origin_stat = _map_column_chunks(self.origin, chunks)
+        mapped, origin_stat = _map_column_chunks(self.origin, chunks, opened)
         return ReadAhead(self.name, origin_stat, mapped)
 
     def load_from_origin(self, ahead=None) -> pyarrow.Table:
@@ -233,7 +239,8 @@ def chunk_ranges(chunks, size: int) -> List[Tuple[int, int]]:
     return merged
 
 
-def _map_column_chunks(path: str, chunks) -> Tuple[Any, os.stat_result]:
+def _map_column_chunks(path: str, chunks, opened: Optional[int] = None
+                       ) -> Tuple[Any, os.stat_result]:
     """``path`` with ``chunks`` read into the page cache, as Arrow should read it.
 
     Returns ``(mapped, stat)``: ``stat`` is the opened file's, and
@@ -247,10 +254,16 @@ def _map_column_chunks(path: str, chunks) -> Tuple[Any, os.stat_result]:
     with ``SIGBUS``, as for any memory-mapped file; a file already shorter
     than its footer says is an ``OSError`` here.
 
+    Args:
+        path: The Parquet file.
+        chunks: Metadata of the column chunks to read.
+        opened: A descriptor of ``path``, open, to read through (duplicated:
+            the caller keeps it); ``None`` opens ``path``.
+
     Raises:
         OSError: the file cannot be read, or ends inside a chunk.
     """
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY) if opened is None else os.dup(opened)
     try:
         opened = os.fstat(fd)
         _read_into_page_cache(fd, chunk_ranges(chunks, opened.st_size), path)

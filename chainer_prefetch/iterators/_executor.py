@@ -152,6 +152,10 @@ class Mailbox:
             return self.generation
 
 
+#: One-at-a-time copies read ahead of the one being made, at most.
+READS_AHEAD = 2
+
+
 class CopyThreads:
     """Threads that run stage-2 copies; a copy not started yet can be cancelled.
 
@@ -163,16 +167,19 @@ class CopyThreads:
     pipeline: one reads the next copy's origin ahead
     (:meth:`~chainer_prefetch.staging.sources.Source.read_ahead`) while the
     other makes the current one from what was read, so reading and decoding
-    overlap.  At most one copy is read ahead of the one being made, and none
-    whose origin file is the one being made (on some file systems, FUSE
-    without ``keep_cache`` among them, opening a file again drops the pages
-    that copy is decoding).  The other copies run on ``n_threads`` threads at
+    overlap.  At most ``READS_AHEAD`` copies are read ahead of the one
+    being made: two, so that a small copy read fast does not leave the
+    storage idle while a large one is decoded.  A copy whose origin file is
+    that of a copy read or made meanwhile is read through the descriptor
+    that copy's read opened, kept open: on some file systems, FUSE without
+    ``keep_cache`` among them, opening a file again drops the pages the
+    other copy is decoding.  The other copies run on ``n_threads`` threads at
     once (many small files: the latency of each hides behind the others).
 
     Only sources that still need a copy are read ahead (``needs_copy``):
     in later epochs, stage 2 finds most row groups current and reads
-    nothing.  When a copy had nothing read ahead, the next read waits until
-    that copy is done, so that the two never read at once.
+    nothing.  A copy with nothing read ahead holds its place among the
+    ``READS_AHEAD`` until it is done (it reads while it is made).
 
     Args:
         n_threads: How many threads run the other copies.
@@ -190,7 +197,7 @@ class CopyThreads:
         self._tasks = queue.SimpleQueue()
         self._tasks_alone = queue.SimpleQueue()
         self._to_make = queue.SimpleQueue()  # (action, sources, reads ahead)
-        self._read_ahead_slots = threading.Semaphore(1)
+        self._read_ahead_slots = threading.Semaphore(READS_AHEAD)
         self._lock = threading.Lock()
         self._queued = {}  # copy id -> action, not started yet
         targets = [(self._read_ahead_loop, 'read-ahead'),
@@ -249,31 +256,34 @@ class CopyThreads:
                 self._make(*task)
 
     def _read_ahead_loop(self):
-        """Reads each one-at-a-time copy's origins ahead, in order, one copy ahead."""
-        origins_before = set()  # of the copy handed over last
-        while True:
-            task = self._tasks_alone.get()
-            if task is None:
-                self._to_make.put(None)
-                return
-            # Wait until the copy before is being made (or done).
-            self._read_ahead_slots.acquire()
-            if not self._is_queued(task[0].copy_id):  # cancelled
-                self._read_ahead_slots.release()
-                continue
-            origins = {source.origin for source in task[1]}
-            reads = ([] if not origins.isdisjoint(origins_before)
-                     else self._read_ahead(task[1]))
-            origins_before = origins
-            self._to_make.put(task + (reads,))
-            reads = None  # (owned by the copy thread now)
+        """Reads the one-at-a-time copies' origins ahead, in order, ``READS_AHEAD`` at most."""
+        open_origins = OpenOrigins(READS_AHEAD + 1)
+        try:
+            while True:
+                task = self._tasks_alone.get()
+                if task is None:
+                    self._to_make.put(None)
+                    return
+                # Wait until the copy before is being made (or done).
+                self._read_ahead_slots.acquire()
+                if not self._is_queued(task[0].copy_id):  # cancelled
+                    self._read_ahead_slots.release()
+                    continue
+                reads = self._read_ahead(task[1], open_origins)
+                self._to_make.put(task + (reads,))
+                reads = None  # (owned by the copy thread now)
+        finally:
+            open_origins.close()
 
-    def _read_ahead(self, sources: Sequence[Source]) -> list:
+    def _read_ahead(self, sources: Sequence[Source],
+                    open_origins: 'OpenOrigins') -> list:
         """What was read ahead for ``sources`` (nothing if they need no copy)."""
         try:
             if not self._needs_copy(sources):
                 return []
-            reads = [source.read_ahead() for source in sources]
+            opened = open_origins.open({source.origin for source in sources})
+            reads = [source.read_ahead(opened[source.origin])
+                     for source in sources]
         except Exception:  # the copy reads again and names the file
             return []
         return [read for read in reads if isinstance(read, ReadAhead)]
@@ -294,6 +304,46 @@ class CopyThreads:
             reads = None  # the maps read ahead go now, not after the next copy
             if not was_read_ahead:
                 self._read_ahead_slots.release()  # it read alone; now the next
+
+
+class OpenOrigins:
+    """The origin files of the last copies read ahead, kept open.
+
+    Reading a copy's origin through a descriptor already open, rather than
+    opening the file again, keeps the pages that copies read before from the
+    same file may still be decoding (see :class:`CopyThreads`).
+
+    Args:
+        recent: How many of the last copies read keep their origins open
+            (the copy being read, those read ahead before it, and the one
+            being made).
+    """
+
+    def __init__(self, recent: int):
+        self._recent = collections.deque(maxlen=recent)  # their origins
+        self._descriptors = {}  # origin -> open descriptor
+
+    def open(self, origins) -> dict:
+        """Descriptors of ``origins``, kept or opened now; closes those no copy recent uses.
+
+        Raises:
+            OSError: an origin cannot be opened.
+        """
+        self._recent.append(frozenset(origins))
+        in_use = frozenset().union(*self._recent)
+        for origin in list(self._descriptors):
+            if origin not in in_use:
+                os.close(self._descriptors.pop(origin))
+        for origin in origins:
+            if origin not in self._descriptors:
+                self._descriptors[origin] = os.open(origin, os.O_RDONLY)
+        return {origin: self._descriptors[origin] for origin in origins}
+
+    def close(self):
+        """Closes every descriptor held."""
+        descriptors, self._descriptors = self._descriptors, {}
+        for descriptor in descriptors.values():
+            os.close(descriptor)
 
 
 class SharedBuffers:

@@ -89,12 +89,20 @@ class Source:
         return (stat.S_ISREG(local_stat.st_mode)
                 and local_stat.st_mtime_ns == origin_stat.st_mtime_ns)
 
-    def read_ahead(self) -> Optional['ReadAhead']:
+    def read_ahead(self, opened: Optional[int] = None) -> Optional['ReadAhead']:
         """Reads what the next copy needs from the origin, ahead of the copy.
 
         Called on another thread while the previous copy is being made; the
         copy then starts from what was read (see :func:`using_reads_ahead`).
         Errors are not reported here: the copy reads again and reports them.
+
+        Args:
+            opened: A descriptor of the origin, open, to read through instead
+                of opening the origin again (the caller keeps and closes
+                it).  Stage 2 passes the one of the copy before when both
+                have the same origin: on some file systems, FUSE without
+                ``keep_cache`` among them, opening a file drops the pages
+                that copy is still reading.
 
         Returns:
             What was read, or ``None`` when this kind reads nothing ahead (the

@@ -755,9 +755,15 @@ def main(argv=None) -> int:
         coverage_runs.append(result)
         print('coverage {method}: {coverage_per_epoch}'.format(**result),
               flush=True)
+    bytes_per_row = _source_bytes_per_row(dataset_dir, columns)
+    bandwidth = storage.Params.from_preset(args.preset).bandwidth_mbps
     report = {'command': 'python -m {} {}'.format(__spec__.name, ' '.join(argv)),
               'machine': machine_description(),
               'dataset_summary': summary, 'preset': args.preset,
+              'source_bytes_per_row': bytes_per_row,
+              'storage_bandwidth_mbps': bandwidth,
+              'storage_bound_rows_per_s': storage_bound(bytes_per_row,
+                                                        bandwidth),
               'coverage_dataset_summary': coverage_summary,
               'window': args.window, 'batch_size': BATCH_SIZE,
               'backends': backends, 'runs': runs,
@@ -864,6 +870,54 @@ def _dataset_summary(dataset_dir: str) -> Dict:
             'image_size': generated['image_size']}
 
 
+def _source_bytes_per_row(dataset_dir: str, columns: List[str]) -> float:
+    """Compressed bytes of ``columns`` per row: what reading a row costs the storage."""
+    import pyarrow.parquet
+    total = rows = 0
+    for path in sorted(glob.glob(os.path.join(dataset_dir, '*.parquet'))):
+        metadata = pyarrow.parquet.read_metadata(path)
+        rows += metadata.num_rows
+        for index in range(metadata.num_row_groups):
+            group = metadata.row_group(index)
+            total += sum(group.column(k).total_compressed_size
+                         for k in range(group.num_columns)
+                         if group.column(k).path_in_schema.split('.')[0]
+                         in columns)
+    return total / max(1, rows)
+
+
+def storage_bound(bytes_per_row: float, bandwidth_mbps: float) -> Optional[float]:
+    """The most rows/s any loader can read through storage of ``bandwidth_mbps``.
+
+    Args:
+        bytes_per_row: Compressed bytes of the columns read, per row.
+        bandwidth_mbps: The storage's cap in MB/s (0: none).
+
+    Returns:
+        Rows/s, or ``None`` without a cap.
+    """
+    if not bandwidth_mbps or not bytes_per_row:
+        return None
+    return bandwidth_mbps * 1e6 / bytes_per_row
+
+
+def format_storage_bound(report: Dict) -> str:
+    """What share of the emulated storage's bound each shared method reached."""
+    bound = report.get('storage_bound_rows_per_s')
+    if not bound:
+        return 'no bandwidth cap: no storage bound'
+    lines = ['Through the emulated storage ({:.0f} MB/s for the mount, {:,.0f} '
+             'compressed bytes per row) no loader can read more than {:,.0f} '
+             'rows/s:'.format(report['storage_bandwidth_mbps'],
+                              report['source_bytes_per_row'], bound)]
+    for run in report['medians']:
+        if run['method'].endswith('-shared'):
+            lines.append('{} {:>7} {:>9.0f} {:>8.0%} of the bound'.format(
+                label(run).ljust(LABEL_WIDTH), run['workers'],
+                run['rows_per_s'], run['rows_per_s'] / bound))
+    return '\n'.join(lines)
+
+
 def _versions(petastorm_python) -> Dict[str, str]:
     import importlib.metadata
     versions = {name: importlib.metadata.version(name) for name in (
@@ -885,6 +939,8 @@ def _write_report(report: Dict, out: str) -> None:
     if report.get('growth_runs'):
         table += '\n\nMemory as the rows read grow:\n' + format_growth(
             report['growth_runs'])
+    if any(run['method'].endswith('-shared') for run in report['medians']):
+        table += '\n\n' + format_storage_bound(report)
     coverage = (format_coverage(report['coverage_runs'])
                 if report['coverage_runs'] else 'no coverage runs')
     backends = '\n'.join('{columns:<15} {reader:<28} {seconds:8.3f} s'.format(
