@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from chainer_prefetch.iterators._executor import READS_AHEAD, CopyThreads
+from chainer_prefetch.iterators._executor import READS_AHEAD, CopyThreads, OpenOrigins
 from chainer_prefetch.iterators._scheduler import Copy
 from chainer_prefetch.staging.sources import DerivedFile, ReadAhead
 
@@ -122,7 +122,10 @@ def test_the_next_copy_is_read_while_the_current_one_is_made(tmp_path):
     for before, after in zip(makes, makes[1:]):
         assert before[3] <= after[2]  # one make at a time
     for current, (_, name, *_rest) in zip(makes, makes[1:]):
-        # read while the one before was made...
+        # read while the one before was made ...
+        assert reads[name][2] < current[3]
+    for current, (_, name, *_rest) in zip(makes, makes[READS_AHEAD:]):
+        # ... as far as READS_AHEAD ahead of the one being made ...
         assert reads[name][2] < current[3]
     for current, (_, name, *_rest) in zip(makes, makes[1 + READS_AHEAD:]):
         # ... and never more than READS_AHEAD ahead of the one being made
@@ -231,3 +234,33 @@ def test_a_failing_read_ahead_leaves_the_copy_to_read(tmp_path):
     stage = _copy_all(tmp_path, _logged_files(tmp_path, 2, log, FailingRead))
     assert stage.done == [0, 1]
     assert [entry[4] for entry in log if entry[0] == 'make'] == [None, None]
+
+
+def test_a_copy_with_nothing_read_ahead_reads_alone(tmp_path):
+    log = []
+    origins = _origins(tmp_path, 3)
+    sources = [FailingRead('/virtual/f0', origins[0], log)] + [
+        LoggedFile('/virtual/f{}'.format(k), origins[k], log) for k in (1, 2)]
+    stage = _copy_all(tmp_path, sources)
+    assert stage.done == [0, 1, 2]
+    made = {entry[1]: entry for entry in log if entry[0] == 'make'}
+    reads = {entry[1]: entry for entry in log if entry[0] == 'read'}
+    assert made['/virtual/f0'][4] is None  # it read while it was made ...
+    # ... and no read ahead ran meanwhile.
+    assert reads['/virtual/f1'][2] >= made['/virtual/f0'][3]
+
+
+def test_a_kept_origin_replaced_on_storage_is_opened_again(tmp_path):
+    first, second = _origins(tmp_path, 2)
+    origins = OpenOrigins(2)
+    try:
+        kept = origins.open({first})[first]
+        assert origins.open({first})[first] == kept  # kept, not reopened
+        old_inode = os.fstat(kept).st_ino
+        os.replace(second, first)  # a new file at the path
+        reopened = origins.open({first})[first]
+        assert os.fstat(reopened).st_ino == os.stat(first).st_ino != old_inode
+        assert _descriptors_of(first) == [reopened]  # the old one closed
+    finally:
+        origins.close()
+    assert _descriptors_of(first) == []

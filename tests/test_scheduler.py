@@ -217,16 +217,6 @@ def test_the_copy_window_opens_wholly_once_stage_2_is_idle():
     assert max(copy.access // 3 for copy in driver.copies.values()) == 6
 
 
-def test_the_copy_window_opens_wholly_once_the_first_copies_are_done():
-    driver = Driver(n=60, batch_size=3, staging=True, n_copy_ahead=6)
-    for copy in list(driver.copies.values()):  # batches 0 and 1
-        driver.finish_copy(copy.copy_id)
-    # Stage 2 idle before any delivery: the later copies start at once.
-    assert driver.delivered == []
-    assert driver.scheduler.generated == 6
-    assert max(copy.access // 3 for copy in driver.copies.values()) == 5
-
-
 def test_a_slow_copy_holds_back_only_its_own_batch():
     driver = Driver(n=12, batch_size=2, staging=True, n_copy_ahead=2)
     first, *others = list(driver.copies.values())
@@ -359,9 +349,7 @@ def test_a_failure_is_delivered_in_order_and_its_buffer_freed_after_its_loads():
 
 
 def test_a_fallback_makes_the_item_unknown_again():
-    # One batch copied ahead: epoch 1's accesses are planned after the fallback.
-    driver = Driver(n=6, batch_size=3, staging=True, repeat=True,
-                    n_copy_ahead=1)
+    driver = Driver(n=6, batch_size=3, staging=True, repeat=True)
     while driver.copies:
         driver.finish_copy()
     load = next(iter(driver.loads.values()))

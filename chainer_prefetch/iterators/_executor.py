@@ -178,8 +178,9 @@ class CopyThreads:
 
     Only sources that still need a copy are read ahead (``needs_copy``):
     in later epochs, stage 2 finds most row groups current and reads
-    nothing.  A copy with nothing read ahead holds its place among the
-    ``READS_AHEAD`` until it is done (it reads while it is made).
+    nothing.  A copy with nothing read ahead reads while it is made, alone:
+    it waits until the copies read ahead before it are being made, and no
+    read starts until it is done.
 
     Args:
         n_threads: How many threads run the other copies.
@@ -264,20 +265,30 @@ class CopyThreads:
                 if task is None:
                     self._to_make.put(None)
                     return
-                # Wait until the copy before is being made (or done).
+                # Wait until the copy READS_AHEAD before is being made.
                 self._read_ahead_slots.acquire()
                 if not self._is_queued(task[0].copy_id):  # cancelled
                     self._read_ahead_slots.release()
                     continue
                 reads = self._read_ahead(task[1], open_origins)
-                self._to_make.put(task + (reads,))
+                slots = 1
+                if not reads:  # it reads while it is made: alone
+                    for _ in range(READS_AHEAD - 1):
+                        self._read_ahead_slots.acquire()
+                    slots = READS_AHEAD
+                self._to_make.put(task + (reads, slots))
                 reads = None  # (owned by the copy thread now)
         finally:
             open_origins.close()
 
     def _read_ahead(self, sources: Sequence[Source],
                     open_origins: 'OpenOrigins') -> list:
-        """What was read ahead for ``sources`` (nothing if they need no copy)."""
+        """What was read ahead for ``sources`` (nothing if they need no copy).
+
+        Args:
+            sources: The sources of one copy.
+            open_origins: The origins kept open, through which they are read.
+        """
         try:
             if not self._needs_copy(sources):
                 return []
@@ -294,7 +305,7 @@ class CopyThreads:
             task = self._to_make.get()
             if task is None:
                 return
-            action, sources, reads = task
+            action, sources, reads, slots = task
             task = None
             was_read_ahead = bool(reads)
             if was_read_ahead:
@@ -303,7 +314,8 @@ class CopyThreads:
                 self._make(action, sources, reads)
             reads = None  # the maps read ahead go now, not after the next copy
             if not was_read_ahead:
-                self._read_ahead_slots.release()  # it read alone; now the next
+                for _ in range(slots):  # it read alone; now the next
+                    self._read_ahead_slots.release()
 
 
 class OpenOrigins:
@@ -326,13 +338,23 @@ class OpenOrigins:
     def open(self, origins) -> dict:
         """Descriptors of ``origins``, kept or opened now; closes those no copy recent uses.
 
+        A kept descriptor whose file is no longer the one at its path (the
+        origin was replaced) is closed and the path opened again.
+
+        Args:
+            origins: The origin paths of the copy about to be read.
+
+        Returns:
+            ``{origin: descriptor}``; the descriptors stay this object's.
+
         Raises:
             OSError: an origin cannot be opened.
         """
         self._recent.append(frozenset(origins))
         in_use = frozenset().union(*self._recent)
         for origin in list(self._descriptors):
-            if origin not in in_use:
+            if origin not in in_use or (origin in origins and not _still_at(
+                    self._descriptors[origin], origin)):
                 os.close(self._descriptors.pop(origin))
         for origin in origins:
             if origin not in self._descriptors:
@@ -344,6 +366,14 @@ class OpenOrigins:
         descriptors, self._descriptors = self._descriptors, {}
         for descriptor in descriptors.values():
             os.close(descriptor)
+
+
+def _still_at(descriptor: int, path: str) -> bool:
+    """Whether the open file ``descriptor`` is still the file at ``path``."""
+    try:
+        return os.path.samestat(os.fstat(descriptor), os.stat(path))
+    except OSError:
+        return False
 
 
 class SharedBuffers:

@@ -46,9 +46,8 @@ Counted in batches since the last reset, and monotone between resets::
 The copy window opens one batch per batch delivered ("slow start": at
 start-up, copies for batches far ahead would take bandwidth from those the
 first batch needs), and opens wholly once stage 2 is idle (no copy in
-flight), after a delivery or a copy: then there is no bandwidth to take
-from, and few large items (Parquet row groups) would otherwise be copied one
-at a time.
+flight) after a delivery: then there is no bandwidth to take from, and few
+large items (Parquet row groups) would otherwise be copied one at a time.
 :meth:`Scheduler.check_invariants` asserts all of this.
 
 Shared memory
@@ -1076,12 +1075,12 @@ class Scheduler:
         return outcome
 
     def _end_slow_start_if_idle(self):
-        """Opens the copy window wholly once stage 2 is idle.
+        """Opens the copy window wholly once stage 2 is idle after a delivery.
 
         Called when a copy ends or a batch is delivered, not on a reset
         (which empties stage 2 too, at a position where nothing is staged).
         """
-        if not self._copying:
+        if self._delivered_ever and not self._copying:
             self._slow_start_over = True
 
     def _cache_wants(self, batch) -> Tuple[Tuple[int, int, int], ...]:

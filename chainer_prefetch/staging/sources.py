@@ -98,11 +98,12 @@ class Source:
 
         Args:
             opened: A descriptor of the origin, open, to read through instead
-                of opening the origin again (the caller keeps and closes
-                it).  Stage 2 passes the one of the copy before when both
-                have the same origin: on some file systems, FUSE without
+                of opening the origin again; the caller keeps and closes it,
+                so a read that keeps the file must ``os.dup`` it.  Stage 2
+                passes one, kept open while copies read or made recently have
+                the same origin: on some file systems, FUSE without
                 ``keep_cache`` among them, opening a file drops the pages
-                that copy is still reading.
+                those copies may still be reading.
 
         Returns:
             What was read, or ``None`` when this kind reads nothing ahead (the

@@ -908,7 +908,8 @@ def format_storage_bound(report: Dict) -> str:
         return 'no bandwidth cap: no storage bound'
     lines = ['Through the emulated storage ({:.0f} MB/s for the mount, {:,.0f} '
              'compressed bytes per row) no loader can read more than {:,.0f} '
-             'rows/s:'.format(report['storage_bandwidth_mbps'],
+             'rows/s from the Parquet files (rows/s from local copies in later '
+             'epochs can pass it):'.format(report['storage_bandwidth_mbps'],
                               report['source_bytes_per_row'], bound)]
     for run in report['medians']:
         if run['method'].endswith('-shared'):
