@@ -217,6 +217,32 @@ def test_the_copy_window_opens_wholly_once_stage_2_is_idle():
     assert max(copy.access // 3 for copy in driver.copies.values()) == 6
 
 
+def test_the_copy_window_opens_wholly_once_the_first_copies_are_staged():
+    driver = Driver(n=60, batch_size=3, staging=True, n_copy_ahead=6)
+    for copy in list(driver.copies.values()):  # batches 0 and 1
+        driver.finish_copy(copy.copy_id)
+    # Stage 2 idle, every load local, before any delivery: the later
+    # copies start at once.
+    assert driver.delivered == []
+    assert driver.scheduler.generated == 6
+    assert max(copy.access // 3 for copy in driver.copies.values()) == 5
+
+
+def test_the_slow_start_goes_on_while_a_load_reads_shared_storage():
+    driver = Driver(n=60, batch_size=3, staging=True, n_copy_ahead=6)
+    first, *others = list(driver.copies.values())
+    driver.finish_copy(first.copy_id, staged=False)  # read from the source
+    for copy in others:
+        driver.finish_copy(copy.copy_id)
+    # Stage 2 idle, but a load of batch 0 reads shared storage: no copies
+    # for later batches until a delivery.
+    assert driver.delivered == []
+    assert driver.scheduler.generated == 2
+    while not driver.delivered:
+        driver.finish_load()
+    assert driver.scheduler.generated - driver.scheduler.delivered == 6
+
+
 def test_a_slow_copy_holds_back_only_its_own_batch():
     driver = Driver(n=12, batch_size=2, staging=True, n_copy_ahead=2)
     first, *others = list(driver.copies.values())
@@ -349,7 +375,9 @@ def test_a_failure_is_delivered_in_order_and_its_buffer_freed_after_its_loads():
 
 
 def test_a_fallback_makes_the_item_unknown_again():
-    driver = Driver(n=6, batch_size=3, staging=True, repeat=True)
+    # One batch copied ahead: epoch 1's accesses are planned after the fallback.
+    driver = Driver(n=6, batch_size=3, staging=True, repeat=True,
+                    n_copy_ahead=1)
     while driver.copies:
         driver.finish_copy()
     load = next(iter(driver.loads.values()))

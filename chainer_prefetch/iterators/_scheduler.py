@@ -46,8 +46,10 @@ Counted in batches since the last reset, and monotone between resets::
 The copy window opens one batch per batch delivered ("slow start": at
 start-up, copies for batches far ahead would take bandwidth from those the
 first batch needs), and opens wholly once stage 2 is idle (no copy in
-flight) after a delivery: then there is no bandwidth to take from, and few
-large items (Parquet row groups) would otherwise be copied one at a time.
+flight) after a delivery, or after a copy while no load has read or is
+to read an example from shared storage: then there is no bandwidth to
+take from, and few large items (Parquet row groups) would otherwise be
+copied one at a time.
 :meth:`Scheduler.check_invariants` asserts all of this.
 
 Shared memory
@@ -581,6 +583,7 @@ class Scheduler:
         self.taken = self.delivered = self.generated = 0
         self._delivered_ever = 0  # batches delivered since the start (slow start)
         self._slow_start_over = False  # the copy window is wholly open
+        self._reads_only_local = True  # no load reads shared storage (slow start)
         if config.columnar and cache is not None:
             raise ValueError('columnar batches do not use the next-epoch cache')
         self._decode_window = (max(DECODE_WINDOW, config.decode_window)
@@ -914,6 +917,7 @@ class Scheduler:
             batch.waiting -= 1
         batch.status[position] = Status.STAGED if local else Status.SOURCE
         (batch.ready_local if local else batch.ready_source).append(position)
+        self._reads_only_local = self._reads_only_local and local
         if counted:
             self.counts['examples_staged' if local else 'examples_not_staged'
                         ] += batch.weight(position)
@@ -1075,12 +1079,14 @@ class Scheduler:
         return outcome
 
     def _end_slow_start_if_idle(self):
-        """Opens the copy window wholly once stage 2 is idle after a delivery.
+        """Opens the copy window wholly once stage 2 is idle after a delivery,
+        or after a copy while every load reads local copies.
 
         Called when a copy ends or a batch is delivered, not on a reset
         (which empties stage 2 too, at a position where nothing is staged).
         """
-        if self._delivered_ever and not self._copying:
+        if not self._copying and (self._delivered_ever
+                                  or self._reads_only_local):
             self._slow_start_over = True
 
     def _cache_wants(self, batch) -> Tuple[Tuple[int, int, int], ...]:
@@ -1127,6 +1133,7 @@ class Scheduler:
             self.counts['examples_from_local'] += weight
             counts['examples_from_local'] += weight
         else:
+            self._reads_only_local = False
             self.counts['examples_from_source'] += weight
             counts['examples_from_source'] += weight
             counts['bytes_from_source'] += result.source_bytes
