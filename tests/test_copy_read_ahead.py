@@ -260,7 +260,21 @@ def test_a_kept_origin_replaced_on_storage_is_opened_again(tmp_path):
         os.replace(second, first)  # a new file at the path
         reopened = origins.open({first})[first]
         assert os.fstat(reopened).st_ino == os.stat(first).st_ino != old_inode
-        assert _descriptors_of(first) == [reopened]  # the old one closed
+        assert _descriptors_of(first) == [reopened]
+        assert _descriptors_of(first + ' (deleted)') == []  # the old one closed
     finally:
         origins.close()
     assert _descriptors_of(first) == []
+
+
+def test_a_copy_already_local_does_not_hold_back_the_next_read(tmp_path):
+    log = []
+    sources = _logged_files(tmp_path, 3, log)
+    # f0 is current locally: its copy reads nothing, so f1 and f2 are read
+    # ahead while it is made, as after any copy read ahead.
+    stage = _copy_all(tmp_path, sources, local={'/virtual/f0'})
+    assert stage.done == [0, 1, 2]
+    made = {entry[1]: entry for entry in log if entry[0] == 'make'}
+    reads = {entry[1]: entry for entry in log if entry[0] == 'read'}
+    assert '/virtual/f0' not in reads
+    assert reads['/virtual/f2'][2] < made['/virtual/f0'][3]

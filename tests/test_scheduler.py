@@ -243,6 +243,16 @@ def test_the_slow_start_goes_on_while_a_load_reads_shared_storage():
     assert driver.scheduler.generated - driver.scheduler.delivered == 6
 
 
+def test_the_slow_start_goes_on_when_the_last_copy_is_not_staged():
+    driver = Driver(n=60, batch_size=3, staging=True, n_copy_ahead=6)
+    *others, last = list(driver.copies.values())
+    for copy in others:
+        driver.finish_copy(copy.copy_id)
+    driver.finish_copy(last.copy_id, staged=False)  # read from the source
+    assert driver.delivered == []
+    assert driver.scheduler.generated == 2
+
+
 def test_a_slow_copy_holds_back_only_its_own_batch():
     driver = Driver(n=12, batch_size=2, staging=True, n_copy_ahead=2)
     first, *others = list(driver.copies.values())

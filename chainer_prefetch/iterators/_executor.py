@@ -197,7 +197,7 @@ class CopyThreads:
         self._n_threads = n_threads  # beside the read-ahead and copy-alone ones
         self._tasks = queue.SimpleQueue()
         self._tasks_alone = queue.SimpleQueue()
-        self._to_make = queue.SimpleQueue()  # (action, sources, reads ahead)
+        self._to_make = queue.SimpleQueue()  # (action, sources, reads, slots)
         self._read_ahead_slots = threading.Semaphore(READS_AHEAD)
         self._lock = threading.Lock()
         self._queued = {}  # copy id -> action, not started yet
@@ -272,7 +272,7 @@ class CopyThreads:
                     continue
                 reads = self._read_ahead(task[1], open_origins)
                 slots = 1
-                if not reads:  # it reads while it is made: alone
+                if reads == []:  # it reads while it is made: alone
                     for _ in range(READS_AHEAD - 1):
                         self._read_ahead_slots.acquire()
                     slots = READS_AHEAD
@@ -282,16 +282,21 @@ class CopyThreads:
             open_origins.close()
 
     def _read_ahead(self, sources: Sequence[Source],
-                    open_origins: 'OpenOrigins') -> list:
-        """What was read ahead for ``sources`` (nothing if they need no copy).
+                    open_origins: 'OpenOrigins') -> Optional[list]:
+        """What was read ahead for ``sources``.
 
         Args:
             sources: The sources of one copy.
             open_origins: The origins kept open, through which they are read.
+
+        Returns:
+            The reads; ``[]`` when the copy will read for itself (nothing
+            read, or a read failed); ``None`` when their local forms are
+            current (the copy reads nothing).
         """
         try:
             if not self._needs_copy(sources):
-                return []
+                return None
             opened = open_origins.open({source.origin for source in sources})
             reads = [source.read_ahead(opened[source.origin])
                      for source in sources]
@@ -307,13 +312,13 @@ class CopyThreads:
                 return
             action, sources, reads, slots = task
             task = None
-            was_read_ahead = bool(reads)
-            if was_read_ahead:
+            reads_itself = reads == []
+            if not reads_itself:  # read ahead, or nothing to read
                 self._read_ahead_slots.release()  # read the next meanwhile
             if self._start(action):
-                self._make(action, sources, reads)
+                self._make(action, sources, reads or ())
             reads = None  # the maps read ahead go now, not after the next copy
-            if not was_read_ahead:
+            if reads_itself:
                 for _ in range(slots):  # it read alone; now the next
                     self._read_ahead_slots.release()
 

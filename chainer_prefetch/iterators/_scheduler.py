@@ -673,7 +673,6 @@ class Scheduler:
                 self._emit(Used(event.item, 0, NEVER))
             return
         del self._copying[event.item]
-        self._end_slow_start_if_idle()
         epoch = self._epoch_of(copy.access)
         self.by_epoch[epoch]['bytes_copied'] += event.bytes_read
         if event.staged:
@@ -685,6 +684,7 @@ class Scheduler:
                 self._hold(batch, position, event.item)
             else:
                 self._set_ready(batch, position, local=event.staged)
+        self._end_slow_start_if_idle()  # (once its waiters know where they read)
 
     def _on_CopiesCancelled(self, event):
         for copy_id in event.copy_ids:
