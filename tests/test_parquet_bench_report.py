@@ -128,3 +128,28 @@ def test_runs_of_an_older_version_without_a_field_do_not_pull_its_median():
     runs = [dict(_run('petastorm', None, 20.0), cpu_s=cpu) for cpu in (4.0, 6.0)]
     runs.append(_run('petastorm', None, 20.0))  # no cpu_s
     assert bench.median_runs(runs)[0]['cpu_s'] == 5.0
+
+
+def test_the_storage_bound_is_bandwidth_over_bytes_per_row_and_each_shared_run_its_share(
+        tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+    table = pyarrow.table({'id': list(range(1000)),
+                           'blob': [bytes([k % 251]) * 500 for k in range(1000)]})
+    pyarrow.parquet.write_table(table, str(tmp_path / 'part-0.parquet'),
+                                row_group_size=250, compression='none')
+    per_row = bench._source_bytes_per_row(str(tmp_path), ['blob'])
+    assert 500 <= per_row < 520  # each value and its length, little else
+    assert bench._source_bytes_per_row(str(tmp_path), ['id']) < 20
+    assert bench.storage_bound(500.0, 100) == 200000.0
+    assert bench.storage_bound(500.0, 0) is None
+    runs = [_run('ours-shared', 1, 150000.0), _run('petastorm-shared', None, 50000.0),
+            _run('ours-local', 1, 300000.0)]
+    text = bench.format_storage_bound({
+        'storage_bound_rows_per_s': 200000.0, 'storage_bandwidth_mbps': 100,
+        'source_bytes_per_row': 500.0, 'medians': bench.median_runs(runs)})
+    assert '200,000 rows/s' in text
+    shares = {line.split()[0]: line.split()[-4] for line in text.splitlines()[1:]}
+    assert shares == {'ours-shared': '75%', 'petastorm-shared': '25%'}
+    assert 'no storage bound' in bench.format_storage_bound(
+        {'storage_bound_rows_per_s': None, 'medians': []})

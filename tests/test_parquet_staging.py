@@ -331,3 +331,22 @@ def test_a_row_group_is_read_ahead_through_a_file_already_open(
         directory.local_path(derived))).read_all()
     assert staged.equals(pyarrow.parquet.ParquetFile(_part(shop)).read_row_group(
         1, columns=['id', 'image']))
+
+
+def test_row_groups_skip_the_copy_windows_slow_start_and_plain_files_keep_it(
+        shop, tmp_path):
+    import chainer
+
+    from helpers import make_jpeg_dataset
+    list_file, root, _ = make_jpeg_dataset(tmp_path / 'images', 4, size=8)
+    datasets = {False: ParquetDataset(shop, columns=['id']),
+                True: chainer.datasets.LabeledImageDataset(list_file, root)}
+    for slow_start, dataset in datasets.items():
+        iterator = PrefetchMultiprocessIterator(
+            dataset, 2, n_processes=1, local_dir=str(tmp_path / 'local'))
+        try:
+            iterator.next()
+            config = iterator._executor._scheduler.config
+            assert config.slow_start is slow_start, type(dataset).__name__
+        finally:
+            iterator.finalize()

@@ -253,6 +253,13 @@ def test_the_slow_start_goes_on_when_the_last_copy_is_not_staged():
     assert driver.scheduler.generated == 2
 
 
+def test_items_copied_in_order_skip_the_slow_start():
+    driver = Driver(n=60, batch_size=3, staging=True, n_copy_ahead=6,
+                    slow_start=False)
+    assert driver.scheduler.generated == 6  # the whole window at once
+    assert max(copy.access // 3 for copy in driver.copies.values()) == 5
+
+
 def test_a_slow_copy_holds_back_only_its_own_batch():
     driver = Driver(n=12, batch_size=2, staging=True, n_copy_ahead=2)
     first, *others = list(driver.copies.values())

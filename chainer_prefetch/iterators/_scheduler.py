@@ -49,7 +49,9 @@ first batch needs), and opens wholly once stage 2 is idle (no copy in
 flight) after a delivery, or after a copy while no load has read or is
 to read an example from shared storage: then there is no bandwidth to
 take from, and few large items (Parquet row groups) would otherwise be
-copied one at a time.
+copied one at a time.  Items that stage 2 copies one at a time in the order
+needed skip the slow start (``SchedulerConfig.slow_start``): a copy for a
+later batch waits behind the earlier ones anyway.
 :meth:`Scheduler.check_invariants` asserts all of this.
 
 Shared memory
@@ -378,6 +380,10 @@ class SchedulerConfig:
         columnar: Batches load as columns, one task per batch (see the
             module docstring).
         decode_window: Batches whose examples load at the same time.
+        slow_start: Whether the copy window opens one batch per delivery at
+            start-up; ``False`` for items that stage 2 copies one at a time
+            in the order needed (Parquet row groups), where a copy for a
+            later batch cannot take bandwidth from an earlier one.
     """
 
     batch_size: int
@@ -396,6 +402,7 @@ class SchedulerConfig:
     revalidate_each_epoch: bool = False
     columnar: bool = False
     decode_window: int = DECODE_WINDOW
+    slow_start: bool = True
 
 
 class _Buffers:
@@ -582,7 +589,7 @@ class Scheduler:
         self._exhausted = False
         self.taken = self.delivered = self.generated = 0
         self._delivered_ever = 0  # batches delivered since the start (slow start)
-        self._slow_start_over = False  # the copy window is wholly open
+        self._slow_start_over = not config.slow_start  # the window is wholly open
         self._reads_only_local = True  # no load reads shared storage (slow start)
         if config.columnar and cache is not None:
             raise ValueError('columnar batches do not use the next-epoch cache')

@@ -16,6 +16,7 @@ from chainer_prefetch.policy.next_epoch_cache import NextEpochCache
 from chainer_prefetch.staging.dataset_files import ItemSources, resolve_dataset_files
 from chainer_prefetch.staging.local_directory import LocalDirectory
 from chainer_prefetch.staging.local_store import STORE_COUNTERS, LocalStore
+from chainer_prefetch.staging.sources import as_source
 
 
 class PrefetchMultiprocessIterator(iterator.Iterator):
@@ -237,6 +238,18 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         self._item_of = item_of
         self._located_dataset = files.located(directory.path_map)
 
+    def _copied_in_order(self) -> bool:
+        """Whether stage 2 copies the first example's files one at a time, in order.
+
+        Such sources (Parquet row groups) need no slow start of the copy
+        window; a dataset is taken to be made of one kind of example.
+        """
+        if self._files is None or len(self.settings.dataset) == 0:
+            return False
+        files = self._files.files(0)
+        return bool(files) and all(as_source(named).copied_one_at_a_time
+                                   for named in files)
+
     def _start_pipeline(self):
         settings = self.settings
         cache = None
@@ -257,7 +270,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             revalidate_each_epoch=settings.recheck_sources == 'each_epoch',
             # Columnar batches: two tasks per loader process, one loading
             # and one queued, so that none idles while its answer travels.
-            columnar=settings.columnar, decode_window=2 * settings.n_processes)
+            columnar=settings.columnar, decode_window=2 * settings.n_processes,
+            slow_start=not self._copied_in_order())
         self._executor = _executor.Executor(
             settings, _scheduler.Scheduler(config, self._state, cache),
             self._store, self._files, self._located_dataset, self._stop_event)
