@@ -265,13 +265,14 @@ def _map_column_chunks(path: str, chunks, opened: Optional[int] = None
     """
     fd = os.open(path, os.O_RDONLY) if opened is None else os.dup(opened)
     try:
-        opened = os.fstat(fd)
-        _read_into_page_cache(fd, chunk_ranges(chunks, opened.st_size), path)
+        origin_stat = os.fstat(fd)
+        _read_into_page_cache(fd, chunk_ranges(chunks, origin_stat.st_size),
+                              path)
         try:
             return pyarrow.py_buffer(mmap.mmap(
-                fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)), opened
+                fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)), origin_stat
         except (OSError, ValueError):
-            return path, opened
+            return path, origin_stat
     finally:
         os.close(fd)
 

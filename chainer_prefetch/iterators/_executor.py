@@ -197,7 +197,7 @@ class CopyThreads:
         self._n_threads = n_threads  # beside the read-ahead and copy-alone ones
         self._tasks = queue.SimpleQueue()
         self._tasks_alone = queue.SimpleQueue()
-        self._to_make = queue.SimpleQueue()  # (action, sources, reads, slots)
+        self._to_make = queue.SimpleQueue()  # (action, sources, reads)
         self._read_ahead_slots = threading.Semaphore(READS_AHEAD)
         self._lock = threading.Lock()
         self._queued = {}  # copy id -> action, not started yet
@@ -271,12 +271,10 @@ class CopyThreads:
                     self._read_ahead_slots.release()
                     continue
                 reads = self._read_ahead(task[1], open_origins)
-                slots = 1
                 if reads == []:  # it reads while it is made: alone
                     for _ in range(READS_AHEAD - 1):
                         self._read_ahead_slots.acquire()
-                    slots = READS_AHEAD
-                self._to_make.put(task + (reads, slots))
+                self._to_make.put(task + (reads,))
                 reads = None  # (owned by the copy thread now)
         finally:
             open_origins.close()
@@ -310,7 +308,7 @@ class CopyThreads:
             task = self._to_make.get()
             if task is None:
                 return
-            action, sources, reads, slots = task
+            action, sources, reads = task
             task = None
             reads_itself = reads == []
             if not reads_itself:  # read ahead, or nothing to read
@@ -319,7 +317,7 @@ class CopyThreads:
                 self._make(action, sources, reads or ())
             reads = None  # the maps read ahead go now, not after the next copy
             if reads_itself:
-                for _ in range(slots):  # it read alone; now the next
+                for _ in range(READS_AHEAD):  # it read alone; now the next
                     self._read_ahead_slots.release()
 
 

@@ -114,11 +114,12 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             (12 and 16 performed alike, 8 did not).  Parquet row groups
             are copied one at a time on a thread of their own, in the
             order needed (each reads in parallel pieces already), while a
-            second thread reads the next one ahead.
+            second thread reads the next two ahead.
         n_copy_ahead (int): How many batches stages 1-2 may run ahead of
             training.  Bounds memory and the files staged but not yet used.
             At start-up the window opens one batch per batch delivered, and
-            wholly once no copy is in flight.  For Parquet row groups, at
+            wholly once no copy is in flight (Parquet row groups, copied one
+            at a time in order, open it wholly at once).  For them, at
             least the rows of two row groups (in batches): the next one is
             then decoded while the current one is read, and the one after
             it read ahead meanwhile.

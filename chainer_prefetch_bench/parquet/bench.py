@@ -116,7 +116,6 @@ ARROW_MEMORY = {
 def _open_ours(config: Dict, columns: List[str]):
     """Ours: an iterator yielding lists of example dicts."""
     import chainer
-    import numpy
 
     from chainer_prefetch import PrefetchMultiprocessIterator
     from chainer_prefetch.datasets import ParquetDataset, RowGroupWindowOrderSampler
@@ -125,9 +124,8 @@ def _open_ours(config: Dict, columns: List[str]):
                              cache_row_groups=window)
     # Local room for 2 * window + 2 row groups, as the earlier LRU of the
     # dataset kept: the local store evicts by the known order within it.
-    groups = numpy.cumsum(dataset.row_group_sizes) - dataset.row_group_sizes
-    largest = max(dataset.example_files(int(first))[0].estimated_local_bytes(None)
-                  for first in groups)
+    largest = max(group.estimated_local_bytes(None)
+                  for group in _row_group_files(dataset))
     sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes,
                                          window=window, seed=config['seed'])
     if config['method'] == 'ours-chainer':
@@ -870,20 +868,20 @@ def _dataset_summary(dataset_dir: str) -> Dict:
             'image_size': generated['image_size']}
 
 
+def _row_group_files(dataset) -> List:
+    """The ``RowGroupFile`` of each non-empty row group of a ``ParquetDataset``."""
+    import numpy
+    firsts = numpy.cumsum(dataset.row_group_sizes) - dataset.row_group_sizes
+    return [dataset.example_files(int(first))[0] for first, size
+            in zip(firsts, dataset.row_group_sizes) if size]
+
+
 def _source_bytes_per_row(dataset_dir: str, columns: List[str]) -> float:
     """Compressed bytes of ``columns`` per row: what reading a row costs the storage."""
-    import pyarrow.parquet
-    total = rows = 0
-    for path in sorted(glob.glob(os.path.join(dataset_dir, '*.parquet'))):
-        metadata = pyarrow.parquet.read_metadata(path)
-        rows += metadata.num_rows
-        for index in range(metadata.num_row_groups):
-            group = metadata.row_group(index)
-            total += sum(group.column(k).total_compressed_size
-                         for k in range(group.num_columns)
-                         if group.column(k).path_in_schema.split('.')[0]
-                         in columns)
-    return total / max(1, rows)
+    from chainer_prefetch.datasets import ParquetDataset
+    dataset = ParquetDataset(dataset_dir, columns=columns)
+    total = sum(group.source_bytes(None) for group in _row_group_files(dataset))
+    return total / max(1, len(dataset))
 
 
 def storage_bound(bytes_per_row: float, bandwidth_mbps: float) -> Optional[float]:
