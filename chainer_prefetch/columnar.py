@@ -130,8 +130,11 @@ class VarColumn:
         rows = numpy.asarray(rows, dtype=numpy.int64)
         starts = self.offsets[rows]
         lengths = self.offsets[rows + 1] - starts
-        offsets = numpy.zeros(len(rows) + 1, numpy.int64)
-        numpy.cumsum(lengths, out=offsets[1:])
+        offsets = offsets_of(lengths)
+        if offsets[-1] >= LARGE_VALUE_BYTES * len(rows):
+            values = copy_rows([self.values], numpy.zeros(len(rows), numpy.int64),
+                               starts, lengths, offsets)
+            return VarColumn(offsets, values, self.kind)
         # Gather every value position at once: the start of its row plus its
         # place within the row.
         within = numpy.arange(offsets[-1]) - numpy.repeat(offsets[:-1], lengths)
@@ -164,6 +167,38 @@ class VarColumn:
 
 
 Column = Union[numpy.ndarray, VarColumn]
+
+#: Rows of a :class:`VarColumn` whose values average at least this many
+#: bytes are copied row by row (:func:`copy_rows`); smaller ones are gathered
+#: at once through an index of every value (8 bytes of index per value).
+LARGE_VALUE_BYTES = 256
+
+
+def offsets_of(lengths: Sequence[int]) -> numpy.ndarray:
+    """Where each of consecutive pieces of ``lengths`` starts, and the end."""
+    offsets = numpy.zeros(len(lengths) + 1, numpy.int64)
+    numpy.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
+def copy_rows(sources: Sequence[numpy.ndarray], source_of_row: numpy.ndarray,
+              starts: numpy.ndarray, lengths: numpy.ndarray,
+              offsets: numpy.ndarray) -> numpy.ndarray:
+    """Values of rows copied one by one into a new array.
+
+    Args:
+        sources: Arrays of values (one dtype).
+        source_of_row: For each row, the index of its source.
+        starts: For each row, where its values start in its source.
+        lengths: For each row, how many values it has.
+        offsets: Where each row goes in the result (``offsets_of(lengths)``).
+    """
+    values = numpy.empty(int(offsets[-1]), sources[0].dtype)
+    for at, source, start, length in zip(
+            offsets[:-1].tolist(), source_of_row.tolist(), starts.tolist(),
+            lengths.tolist()):
+        values[at:at + length] = sources[source][start:start + length]
+    return values
 
 
 class ColumnarBatch(collections.abc.Sequence):
@@ -326,11 +361,8 @@ class ColumnarBatch(collections.abc.Sequence):
                                  .format(first.names, batch.names))
         if len(batches) == 1:
             return first
-        columns = {}
-        for name in first.names:
-            parts = [batch.columns[name] for batch in batches]
-            columns[name] = (_concatenate_var(parts) if isinstance(
-                parts[0], VarColumn) else numpy.concatenate(parts))
+        columns = {name: _concatenate([batch.columns[name] for batch in batches])
+                   for name in first.names}
         return cls(columns, first.form, first.python_scalars)
 
 
@@ -358,7 +390,30 @@ def column_of_values(values: List[Any]) -> Column:
     return column
 
 
-def _concatenate_var(parts: Sequence[VarColumn]) -> VarColumn:
+def _concatenate(parts: Sequence[Column]) -> Column:
+    """Columns one after the other; of different kinds, as an ``object`` column.
+
+    Parts of one column can differ in kind when they come from different
+    sources (a row group with nulls gives ``object``, one without gives a
+    ``VarColumn`` or numbers): the result then holds every row's value as
+    a row read gives it (``bytes``, ``str``, arrays, Python numbers).
+    """
+    if all(isinstance(part, VarColumn) for part in parts):
+        if len({part.kind for part in parts}) == 1:
+            return concatenate_var(parts)
+    elif not any(isinstance(part, VarColumn) for part in parts):
+        if len({part.dtype == object for part in parts}) == 1:
+            return numpy.concatenate(parts)
+    values = [value for part in parts for value in (
+        part.tolist() if isinstance(part, numpy.ndarray) and part.ndim == 1
+        and part.dtype != object else list(part))]
+    column = numpy.empty(len(values), dtype=object)
+    column[:] = values
+    return column
+
+
+def concatenate_var(parts: Sequence[VarColumn]) -> VarColumn:
+    """Variable-length columns of one kind, one after the other, as one column."""
     offsets = [parts[0].offsets]
     end = parts[0].offsets[-1]
     for part in parts[1:]:

@@ -153,3 +153,21 @@ def test_the_storage_bound_is_bandwidth_over_bytes_per_row_and_each_shared_run_i
     assert shares == {'ours-shared': '75%', 'petastorm-shared': '25%'}
     assert 'no storage bound' in bench.format_storage_bound(
         {'storage_bound_rows_per_s': None, 'medians': []})
+
+
+def test_the_in_process_reference_loader_reads_every_row_once_per_epoch(tmp_path):
+    import numpy
+
+    from chainer_prefetch_bench.testbed import parquet_dataset
+    directory = str(tmp_path / 'shop')
+    parquet_dataset.generate(directory, 250, 3, 40, image_size=8)  # 9 row groups
+    config = {'workers': 2, 'source': directory, 'seed': 3}
+    batches = bench._arrow_threads_batches(config, ['id', 'title', 'image'])
+    try:
+        ids = [numpy.asarray(next(batches)) for _ in range(5)]  # two epochs
+    finally:
+        batches.close()
+    assert [len(batch) for batch in ids] == [100] * 5
+    ids = numpy.concatenate(ids)
+    assert sorted(ids[:250]) == sorted(ids[250:]) == list(range(250))
+    assert list(ids[:250]) != list(ids[250:])  # a new order each epoch

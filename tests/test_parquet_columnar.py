@@ -11,6 +11,8 @@ import shutil
 
 import chainer
 import numpy as np
+import pyarrow
+import pyarrow.ipc
 import pyarrow.parquet
 import pytest
 from PIL import Image
@@ -23,6 +25,7 @@ from chainer_prefetch.datasets import (
     ParquetFileError,
     RowGroupWindowOrderSampler,
 )
+from chainer_prefetch.datasets import parquet as parquet_module
 from chainer_prefetch_bench.testbed import parquet_dataset as make_parquet_dataset
 
 ROWS, FILES, ROW_GROUP_ROWS = 120, 3, 10  # 12 row groups
@@ -69,6 +72,23 @@ def test_get_columns_gives_the_rows_get_example_gives(shop):
         _same_example(row, as_tuple[index])
     with pytest.raises(IndexError, match='120 rows'):
         dataset.get_columns([0, ROWS])
+
+
+def test_a_batch_across_row_groups_with_nulls_in_some_only(tmp_path):
+    path = str(tmp_path / 'nulls.parquet')
+    pyarrow.parquet.write_table(pyarrow.table({
+        'id': list(range(8)),
+        'text': ['a', 'b', 'c', 'd', None, 'f', 'g', 'h'],
+        'count': [1, 2, 3, 4, 5, None, 7, 8],
+        'tokens': pyarrow.array([[1], [2, 2], [], [4], None, [6], [7], [8]],
+                                pyarrow.list_(pyarrow.int64())),
+    }), path, row_group_size=4)  # nulls in the second row group only
+    dataset = ParquetDataset(path)
+    indices = [0, 4, 1, 5, 2, 6]
+    batch = dataset.get_columns(indices)
+    for row, index in zip(batch, indices):
+        _same_example(row, dataset[index])
+    assert batch[1]['text'] is None and batch[3]['count'] is None
 
 
 def _decode(example):
@@ -125,6 +145,30 @@ def test_columnar_batches_equal_the_row_path(shop, tmp_path, local):
         assert len(row_batch) == len(column_batch)
         for got, expected in zip(column_batch, row_batch):
             _same_example(got, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_row_groups_staged_in_pieces_give_the_rows_of_the_parquet_files(
+        shop, tmp_path, monkeypatch):
+    dataset = ParquetDataset(shop, columns=['id', 'title', 'image', 'price',
+                                            'tokens'])
+    expected = _iterate(dataset, False, 17)  # read from the Parquet files
+    monkeypatch.setattr(parquet_module, 'DECODE_ROWS', 3)  # 4 record batches
+    for columnar in (False, True):
+        local = str(tmp_path / 'local-{}'.format(columnar))
+        got = _iterate(dataset, columnar, 17, local_dir=local)
+        assert [detail for _, detail in got] == [
+            detail for _, detail in expected]
+        for (batch, _), (expected_batch, _) in zip(got, expected):
+            assert len(batch) == len(expected_batch)
+            for example, expected_example in zip(batch, expected_batch):
+                _same_example(example, expected_example)
+        staged = [os.path.join(folder, name)
+                  for folder, _, names in os.walk(local)
+                  for name in names if name.endswith('.arrow')]
+        assert staged and all(pyarrow.ipc.open_file(pyarrow.memory_map(
+            path)).num_record_batches == 4 for path in staged)
 
 
 @pytest.mark.slow

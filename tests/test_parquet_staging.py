@@ -85,6 +85,46 @@ def test_a_corrupt_source_is_named_and_leaves_nothing(shop, tmp_path):
     assert os.listdir(directory.partial_root) == []
 
 
+def test_a_row_group_is_decoded_and_written_in_pieces(shop, tmp_path, monkeypatch):
+    monkeypatch.setattr(parquet_module, 'DECODE_ROWS', 3)
+    directory = LocalDirectory(str(tmp_path / 'local'))
+    derived = RowGroupFile(_part(shop), 1, ('image', 'id', 'tokens'))
+    directory.stage(derived)
+    reader = pyarrow.ipc.open_file(pyarrow.memory_map(
+        directory.local_path(derived)))
+    assert [reader.get_batch(i).num_rows
+            for i in range(reader.num_record_batches)] == [3, 3, 3, 1]
+    expected = pyarrow.parquet.ParquetFile(_part(shop)).read_row_group(
+        1, columns=['image', 'id', 'tokens'])
+    assert reader.read_all().equals(expected)
+    assert reader.schema.names == ['image', 'id', 'tokens']
+
+
+def test_a_row_group_corrupt_after_its_first_piece_is_named_and_leaves_nothing(
+        shop, tmp_path, monkeypatch):
+    # One row per page: the first pieces decode, a later one does not.
+    path = str(tmp_path / 'paged.parquet')
+    pyarrow.parquet.write_table(
+        pyarrow.parquet.read_table(_part(shop), columns=['id', 'title']), path,
+        row_group_size=ROW_GROUP_ROWS, data_page_size=1, write_batch_size=1,
+        compression='none')
+    chunk = pyarrow.parquet.read_metadata(path).row_group(0).column(1)
+    half = chunk.total_compressed_size // 2  # from inside the 5th page on
+    with open(path, 'r+b') as f:
+        f.seek(chunk.data_page_offset + half)
+        f.write(b'\xff' * half)
+    monkeypatch.setattr(parquet_module, 'DECODE_ROWS', 2)
+    derived = RowGroupFile(path, 0, ('id', 'title'))
+    first = next(derived.load_from_origin().iter_batches(
+        batch_size=2, row_groups=[0], columns=['id', 'title']))
+    assert first.num_rows == 2  # the first piece is whole
+    directory = LocalDirectory(str(tmp_path / 'local'))
+    with pytest.raises(SourceFileError, match=path):
+        directory.stage(derived)
+    assert not os.path.exists(directory.local_path(derived))
+    assert os.listdir(directory.partial_root) == []
+
+
 def _stage_in_child(local_root, derived, barrier, results):
     barrier.wait()
     results.put(LocalDirectory(local_root).stage(derived))

@@ -11,13 +11,23 @@ row read of the same row:
 * lists of numbers without nulls: a :class:`VarColumn` of kind ``'list'``;
 * anything else (nulls, timestamps, decimals, nested types): an ``object``
   array of the Python values.
+
+:class:`StoredColumns` takes rows out of a stored table of one or more
+record batches (a staged row group) straight into such columns.
 """
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy
 import pyarrow
 
-from chainer_prefetch.columnar import Column, VarColumn
+from chainer_prefetch.columnar import (
+    LARGE_VALUE_BYTES,
+    Column,
+    VarColumn,
+    concatenate_var,
+    copy_rows,
+    offsets_of,
+)
 
 _BINARY = (pyarrow.types.is_binary, pyarrow.types.is_large_binary)
 _STRING = (pyarrow.types.is_string, pyarrow.types.is_large_string)
@@ -36,21 +46,39 @@ def column_of_array(array: pyarrow.Array) -> Column:
     if isinstance(array, pyarrow.ChunkedArray):
         array = (array.chunk(0) if array.num_chunks == 1
                  else array.combine_chunks())
-    data_type = array.type
-    if pyarrow.types.is_dictionary(data_type):
+    if pyarrow.types.is_dictionary(array.type):
         array = array.dictionary_decode()
-        data_type = array.type
-    if array.null_count == 0:
-        if is_number_type(data_type):
-            return _number_column(array)
-        if any(test(data_type) for test in _BINARY + _STRING):
-            return _var_column(array, 'str' if any(
-                test(data_type) for test in _STRING) else 'bytes')
-        if (any(test(data_type) for test in _LIST)
-                and is_number_type(data_type.value_type)
-                and array.values.null_count == 0):
-            return _list_column(array)
+    kind = _kind_of(array)
+    if kind == 'number':
+        return _number_column(array)
+    if kind == 'list':
+        return _list_column(array)
+    if kind is not None:
+        return _var_column(array, kind)
     return _object_column(array)
+
+
+def _kind_of(array: pyarrow.Array) -> Optional[str]:
+    """The kind of column ``array`` (not dictionary-encoded) makes.
+
+    Returns:
+        ``'number'``, ``'bytes'``, ``'str'`` or ``'list'``; ``None`` for an
+        ``object`` column.
+    """
+    data_type = array.type
+    if array.null_count:
+        return None
+    if is_number_type(data_type):
+        return 'number'
+    if any(test(data_type) for test in _STRING):
+        return 'str'
+    if any(test(data_type) for test in _BINARY):
+        return 'bytes'
+    if (any(test(data_type) for test in _LIST)
+            and is_number_type(data_type.value_type)
+            and array.values.null_count == 0):
+        return 'list'
+    return None
 
 
 def _number_column(array: pyarrow.Array) -> numpy.ndarray:
@@ -120,3 +148,107 @@ def columns_of_table(table: pyarrow.Table, names: Sequence[str]
                      ) -> Dict[str, Column]:
     """The named columns of ``table`` (see :func:`column_of_array`)."""
     return {name: column_of_array(table.column(name)) for name in names}
+
+
+class StoredColumns:
+    """Columns of a stored table of one or more record batches, to take rows from.
+
+    ``take(rows)`` gives what ``columns_of_table(table.take(rows), names)``
+    gives, without Arrow's ``take``: on a table of several record batches
+    that joins each whole column first (11 ms for 100 rows of a 117 MB row
+    group of 18 batches, against 0.25 ms here).  Each value is copied once,
+    from the table's memory into the new column:
+
+    * numbers, and variable-length columns of small values (under
+      :data:`LARGE_VALUE_BYTES` a row on average), are joined into one
+      column per process when this is made (kilobytes a row group), and
+      rows are taken from it;
+    * variable-length columns of large values (images) stay in the table
+      (for a memory-mapped file, the page cache): each row is copied from
+      its record batch;
+    * columns that need Python objects (nulls, other types) take their rows
+      from each record batch with Arrow, then convert only those.
+
+    Args:
+        table: The stored table (for instance a memory-mapped IPC file).
+        names: The columns to take.
+    """
+
+    def __init__(self, table: pyarrow.Table, names: Sequence[str]):
+        self.num_rows = table.num_rows
+        self._columns = {name: _stored_column(table.column(name))
+                         for name in names}
+
+    def take(self, rows: Sequence[int]) -> Dict[str, Column]:
+        """The rows ``rows`` (in that order, repeats allowed) of every column."""
+        rows = numpy.asarray(rows, dtype=numpy.int64)
+        return {name: column[rows] if isinstance(column, numpy.ndarray)
+                else column.take(rows)
+                for name, column in self._columns.items()}
+
+
+def _stored_column(column: pyarrow.ChunkedArray
+                   ) -> Union[Column, '_ChunkedValues', '_ArrowColumn']:
+    chunks = [chunk.dictionary_decode() if pyarrow.types.is_dictionary(
+        chunk.type) else chunk for chunk in column.chunks]
+    kinds = {_kind_of(chunk) for chunk in chunks}
+    if len(chunks) == 0 or len(kinds) != 1 or None in kinds:
+        return _ArrowColumn(column)
+    parts = [column_of_array(chunk) for chunk in chunks]
+    if kinds == {'number'}:
+        return numpy.concatenate(parts)
+    if sum(part.nbytes for part in parts) < LARGE_VALUE_BYTES * len(column):
+        return concatenate_var(parts)
+    return _ChunkedValues(parts)
+
+
+class _ChunkedValues:
+    """A variable-length column of large values left in its record batches."""
+
+    def __init__(self, parts: Sequence[VarColumn]):
+        self._values = [part.values for part in parts]
+        self._starts = numpy.concatenate([part.offsets[:-1] for part in parts])
+        self._lengths = numpy.concatenate([part.lengths() for part in parts])
+        self._chunk = numpy.repeat(numpy.arange(len(parts)),
+                                   [len(part) for part in parts])
+        self._kind = parts[0].kind
+
+    def take(self, rows: numpy.ndarray) -> VarColumn:
+        lengths = self._lengths[rows]
+        offsets = offsets_of(lengths)
+        return VarColumn(offsets, copy_rows(self._values, self._chunk[rows],
+                                            self._starts[rows], lengths, offsets),
+                         self._kind)
+
+
+class _ArrowColumn:
+    """A column of Python objects: Arrow takes the rows from each record batch."""
+
+    def __init__(self, column: pyarrow.ChunkedArray):
+        self._chunks = column.chunks
+        self._starts = offsets_of([len(chunk) for chunk in self._chunks])
+
+    def take(self, rows: numpy.ndarray) -> Column:
+        if len(self._chunks) == 1:
+            return column_of_array(self._chunks[0].take(arrow_indices(rows)))
+        chunk_of_row = numpy.searchsorted(self._starts, rows, side='right') - 1
+        order = numpy.argsort(chunk_of_row, kind='stable')
+        parts = [self._chunks[chunk].take(arrow_indices(
+            rows[order[chunk_of_row[order] == chunk]] - self._starts[chunk]))
+            for chunk in numpy.unique(chunk_of_row).tolist()]
+        inverse = numpy.empty(len(rows), numpy.int64)
+        inverse[order] = numpy.arange(len(rows))
+        return column_of_array(pyarrow.concat_arrays(parts).take(
+            arrow_indices(inverse)))
+
+
+def arrow_indices(rows: numpy.ndarray) -> pyarrow.Array:
+    """Row numbers as an Arrow int64 array over the same memory.
+
+    ``pyarrow.array`` of a NumPy array would import pandas (about 0.25 s,
+    in every loader process) just to check whether it was given a pandas
+    object.
+    """
+    rows = numpy.ascontiguousarray(rows, dtype=numpy.int64)
+    return pyarrow.Array.from_buffers(pyarrow.int64(), len(rows),
+                                      [None, pyarrow.py_buffer(rows)])

@@ -206,8 +206,19 @@ class DerivedFile(Source):
         raise NotImplementedError
 
     def write_local_form(self, content: Any, out: BinaryIO) -> None:
-        """Writes ``content`` (from :meth:`load_from_origin`) to ``out``."""
+        """Writes ``content`` (from :meth:`load_from_origin`) to ``out``.
+
+        It may go on reading the origin (decoding it as it writes); an
+        error of that reading must be raised as :meth:`origin_error`.
+        """
         raise NotImplementedError
+
+    def origin_error(self, error: Exception) -> SourceFileError:
+        """``error``, met reading the origin, as the error that names it."""
+        return SourceFileError(
+            getattr(error, 'errno', None) or errno.EIO,
+            'cannot read {} (for {}): {}'.format(self.origin, self.name, error),
+            self.origin)
 
     def write_local(self, out_fd, origin_stat, destination):
         try:
@@ -215,23 +226,22 @@ class DerivedFile(Source):
             # (a subclass that reads nothing ahead may take no argument)
             content = (self.load_from_origin() if ahead is None
                        else self.load_from_origin(ahead))
-            after = os.stat(self.origin)
         except (OSError, ValueError) as error:
-            raise SourceFileError(
-                getattr(error, 'errno', None) or errno.EIO,
-                'cannot read {} (for {}): {}'.format(self.origin, self.name,
-                                                     error),
-                self.origin) from error
-        if (after.st_size, after.st_mtime_ns) != (origin_stat.st_size,
-                                                  origin_stat.st_mtime_ns):
-            raise SourceFileError(errno.EIO, '{} changed while it was read'
-                                  .format(self.origin), self.origin)
+            raise self.origin_error(error) from error
         try:
             with os.fdopen(os.dup(out_fd), 'wb') as out:
                 self.write_local_form(content, out)
             written = os.fstat(out_fd).st_size
         except OSError as error:
             raise local_error(error, destination) from error
+        try:
+            after = os.stat(self.origin)
+        except OSError as error:
+            raise self.origin_error(error) from error
+        if (after.st_size, after.st_mtime_ns) != (origin_stat.st_size,
+                                                  origin_stat.st_mtime_ns):
+            raise SourceFileError(errno.EIO, '{} changed while it was read'
+                                  .format(self.origin), self.origin)
         stamp(out_fd, origin_stat, destination)
         return written
 

@@ -22,6 +22,13 @@ batch 100, for each number of loader workers:
 * ``petastorm-rows``: the same, each batch turned into 100 row dicts (the
   examples Chainer's training loop would get from a row loader);
 * ``petastorm-shared``: ``petastorm`` through the emulated shared storage;
+* ``arrow-threads``: no staging and no loader processes, for reference:
+  PyArrow in the training process, ``workers`` threads decoding the next
+  row groups (in pieces of ``DECODE_ROWS`` rows, as ours stages them) while
+  the current one is cut into batches (``StoredColumns``), row groups and
+  rows shuffled as Petastorm does.  Only the work every loader must do (read,
+  decode, cut batches out): what this machine allows, against which the
+  cost of ours' loader processes and local files can be read;
 * ``blog``: the blog's loader reimplemented: worker processes each cache
   ``num_cached_parquet`` files drawn at random, shuffle inside the cache and
   build whole batches of 100 rows from it (fastparquet, rows as dicts); files
@@ -94,11 +101,13 @@ from chainer_prefetch_bench.testbed.report import write_json
 
 BATCH_SIZE = 100
 METHODS = ('ours-local', 'ours-shared', 'ours-rows', 'ours-chainer', 'petastorm',
-           'petastorm-rows', 'petastorm-shared', 'blog', 'blog-shared')
+           'petastorm-rows', 'petastorm-shared', 'arrow-threads', 'blog',
+           'blog-shared')
 #: What each method is compared with (same storage, same workers).
 PEERS = {'ours-local': 'petastorm', 'ours-shared': 'petastorm-shared',
          'ours-rows': 'petastorm', 'ours-chainer': 'petastorm',
-         'petastorm-rows': 'petastorm', 'blog': 'petastorm',
+         'petastorm-rows': 'petastorm', 'arrow-threads': 'petastorm',
+         'blog': 'petastorm',
          'blog-shared': 'petastorm-shared'}
 #: ``--arrow-memory``: environment of a run for Arrow's memory allocators.
 #: "retain" keeps the memory freed by one row group's decoding for the next
@@ -188,6 +197,63 @@ def _petastorm_batches(config: Dict, columns: List[str]):
                     yield batch['id'].tolist()
 
 
+def _arrow_threads_batches(config: Dict, columns: List[str]):
+    """Batches cut in this process from row groups that threads decode ahead.
+
+    ``workers`` threads each decode one of the next row groups; every epoch
+    draws a new order of the row groups, and of the rows within each (a
+    batch that a row group ends goes on with the next one).
+    """
+    import collections
+    import concurrent.futures
+
+    import numpy
+    import pyarrow
+    import pyarrow.parquet
+
+    from chainer_prefetch.columnar import ColumnarBatch
+    from chainer_prefetch.datasets.arrow_columns import StoredColumns
+    from chainer_prefetch.datasets.parquet import DECODE_ROWS
+    files = sorted(glob.glob(os.path.join(config['source'], '*.parquet')))
+    groups = [(path, group) for path in files for group in range(
+        pyarrow.parquet.read_metadata(path).num_row_groups)]
+    random = numpy.random.default_rng(config['seed'])
+
+    def decode(path_and_group):
+        path, group = path_and_group
+        with pyarrow.parquet.ParquetFile(path, memory_map=True) as parquet_file:
+            pieces = list(parquet_file.iter_batches(
+                batch_size=DECODE_ROWS, row_groups=[group], columns=columns))
+        return StoredColumns(pyarrow.Table.from_batches(pieces), columns)
+
+    def drawn_groups():
+        while True:
+            yield from (groups[i] for i in random.permutation(len(groups)))
+
+    order = drawn_groups()
+    with concurrent.futures.ThreadPoolExecutor(config['workers']) as pool:
+        pending = collections.deque(pool.submit(decode, next(order))
+                                    for _ in range(config['workers']))
+        try:
+            parts, held = [], 0  # the rows of the next batch so far
+            while True:
+                stored = pending.popleft().result()
+                pending.append(pool.submit(decode, next(order)))
+                rows = random.permutation(stored.num_rows)
+                start = 0
+                while start < len(rows):
+                    taken = rows[start:start + BATCH_SIZE - held]
+                    parts.append(ColumnarBatch(stored.take(taken)))
+                    start += len(taken)
+                    held += len(taken)
+                    if held == BATCH_SIZE:
+                        yield ColumnarBatch.concatenate(parts).columns['id']
+                        parts, held = [], 0
+        finally:
+            for future in pending:
+                future.cancel()
+
+
 def _rows(columns: Dict) -> List[Dict]:
     """A columnar batch as one dict per row (what Chainer's loop consumes)."""
     names = list(columns)
@@ -267,6 +333,8 @@ def _batches(config: Dict, columns: List[str], staging: Dict):
         return _ours_batches(config, columns, staging)
     if config['method'].startswith('petastorm'):
         return _petastorm_batches(config, columns)
+    if config['method'] == 'arrow-threads':
+        return _arrow_threads_batches(config, columns)
     return _blog_batches(config, columns)
 
 
@@ -286,6 +354,10 @@ def _import_libraries(method: str) -> None:
         import chainer_prefetch.datasets  # noqa: F401
     elif method.startswith('petastorm'):
         import petastorm  # noqa: F401
+    elif method == 'arrow-threads':
+        import pyarrow.parquet  # noqa: F401
+
+        import chainer_prefetch.datasets  # noqa: F401
     else:
         import fastparquet  # noqa: F401
         import pandas  # noqa: F401
@@ -321,9 +393,9 @@ def _later_epochs_rows_per_s(rows: int, seconds: float, n_rows: int,
 def run_one(config: Dict) -> Dict:
     """Runs one configuration in this process; returns its measurements.
 
-    Imports no part of ``chainer_prefetch`` unless an ``ours`` method runs
-    (the Petastorm environment has no Chainer): the row-group layout comes
-    in ``config['row_group_sizes']``.
+    Imports no part of ``chainer_prefetch`` unless an ``ours`` method or
+    ``arrow-threads`` runs (the Petastorm environment has no Chainer): the
+    row-group layout comes in ``config['row_group_sizes']``.
     """
     import numpy
     columns = config['columns']
