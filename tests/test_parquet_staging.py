@@ -85,10 +85,18 @@ def test_a_corrupt_source_is_named_and_leaves_nothing(shop, tmp_path):
     assert os.listdir(directory.partial_root) == []
 
 
+def _decode_three_rows_at_a_time(monkeypatch, derived):
+    decoded = derived.estimated_local_bytes(None) - 4096  # footer's sizes
+    monkeypatch.setattr(parquet_module, 'DECODE_BYTES',
+                        3 * decoded // ROW_GROUP_ROWS + 1)
+
+
 def test_a_row_group_is_decoded_and_written_in_pieces(shop, tmp_path, monkeypatch):
-    monkeypatch.setattr(parquet_module, 'DECODE_ROWS', 3)
     directory = LocalDirectory(str(tmp_path / 'local'))
     derived = RowGroupFile(_part(shop), 1, ('image', 'id', 'tokens'))
+    assert derived.piece_rows() == ROW_GROUP_ROWS  # 8 MiB: the whole row group
+    _decode_three_rows_at_a_time(monkeypatch, derived)
+    assert derived.piece_rows() == 3
     directory.stage(derived)
     reader = pyarrow.ipc.open_file(pyarrow.memory_map(
         directory.local_path(derived)))
@@ -113,8 +121,9 @@ def test_a_row_group_corrupt_after_its_first_piece_is_named_and_leaves_nothing(
     with open(path, 'r+b') as f:
         f.seek(chunk.data_page_offset + half)
         f.write(b'\xff' * half)
-    monkeypatch.setattr(parquet_module, 'DECODE_ROWS', 2)
     derived = RowGroupFile(path, 0, ('id', 'title'))
+    monkeypatch.setattr(parquet_module, 'DECODE_BYTES', 1)  # a row at a time
+    assert derived.piece_rows() == 1
     first = next(derived.load_from_origin().iter_batches(
         batch_size=2, row_groups=[0], columns=['id', 'title']))
     assert first.num_rows == 2  # the first piece is whole

@@ -161,7 +161,7 @@ class RowGroupFile(DerivedFile):
     def write_local_form(self, content: pyarrow.parquet.ParquetFile, out) -> None:
         """Decodes the row group into an uncompressed Arrow IPC file, piece by piece.
 
-        Each piece of :data:`DECODE_ROWS` rows is decoded and written as one
+        Each piece of :meth:`piece_rows` rows is decoded and written as one
         record batch.  Decoding the row group whole takes its decoded size
         (117 MB in the benchmark) of new memory, which Arrow's allocator hands
         back to the kernel soon after it is freed, so that every row group's
@@ -180,7 +180,7 @@ class RowGroupFile(DerivedFile):
         """
         with content:
             pieces = self._decoded(content.iter_batches(
-                batch_size=DECODE_ROWS, row_groups=[self.row_group],
+                batch_size=self.piece_rows(), row_groups=[self.row_group],
                 columns=list(self.columns)))
             first = next(pieces, None)
             schema = (first.schema if first is not None else pyarrow.schema(
@@ -190,6 +190,13 @@ class RowGroupFile(DerivedFile):
                     writer.write_batch(first)
                 for piece in pieces:
                     writer.write_batch(piece)
+
+    def piece_rows(self) -> int:
+        """Rows decoded at a time: about :data:`DECODE_BYTES` of the columns' decoded size."""
+        group, chunks = self._column_chunks()
+        decoded = sum(chunk.total_uncompressed_size for chunk in chunks)
+        return max(1, min(group.num_rows,
+                          DECODE_BYTES * group.num_rows // max(1, decoded)))
 
     def _decoded(self, pieces: Iterator[pyarrow.RecordBatch]
                  ) -> Iterator[pyarrow.RecordBatch]:
@@ -204,10 +211,11 @@ class RowGroupFile(DerivedFile):
             yield piece
 
 
-#: Rows of a row group decoded at a time when it is staged (see
-#: :meth:`RowGroupFile.write_local_form`): pieces of about 9 MB in the
-#: benchmark (4,096 rows were slower, 256 no faster).
-DECODE_ROWS = 1024
+#: Bytes of a row group decoded at a time when it is staged (see
+#: :meth:`RowGroupFile.write_local_form`), from the footer's uncompressed
+#: sizes: about 950 rows in the benchmark (pieces of 1,024 rows, 9 MB, were
+#: as fast as 256 and 2,048 rows, and 4,096 rows slower).
+DECODE_BYTES = 8 << 20
 
 
 def read_row_group(path: str, row_group: int, columns: Sequence[str],

@@ -24,7 +24,7 @@ batch 100, for each number of loader workers:
 * ``petastorm-shared``: ``petastorm`` through the emulated shared storage;
 * ``arrow-threads``: no staging and no loader processes, for reference:
   PyArrow in the training process, ``workers`` threads decoding the next
-  row groups (in pieces of ``DECODE_ROWS`` rows, as ours stages them) while
+  row groups (in the pieces ours stages them in) while
   the current one is cut into batches (``StoredColumns``), row groups and
   rows shuffled as Petastorm does.  Only the work every loader must do (read,
   decode, cut batches out): what this machine allows, against which the
@@ -213,7 +213,7 @@ def _arrow_threads_batches(config: Dict, columns: List[str]):
 
     from chainer_prefetch.columnar import ColumnarBatch
     from chainer_prefetch.datasets.arrow_columns import StoredColumns
-    from chainer_prefetch.datasets.parquet import DECODE_ROWS
+    from chainer_prefetch.datasets.parquet import RowGroupFile
     files = sorted(glob.glob(os.path.join(config['source'], '*.parquet')))
     groups = [(path, group) for path in files for group in range(
         pyarrow.parquet.read_metadata(path).num_row_groups)]
@@ -221,9 +221,10 @@ def _arrow_threads_batches(config: Dict, columns: List[str]):
 
     def decode(path_and_group):
         path, group = path_and_group
+        rows = RowGroupFile(path, group, columns).piece_rows()
         with pyarrow.parquet.ParquetFile(path, memory_map=True) as parquet_file:
             pieces = list(parquet_file.iter_batches(
-                batch_size=DECODE_ROWS, row_groups=[group], columns=columns))
+                batch_size=rows, row_groups=[group], columns=columns))
         return StoredColumns(pyarrow.Table.from_batches(pieces), columns)
 
     def drawn_groups():
