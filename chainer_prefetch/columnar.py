@@ -181,6 +181,31 @@ def offsets_of(lengths: Sequence[int]) -> numpy.ndarray:
     return offsets
 
 
+def split_by_group(groups: numpy.ndarray
+                   ) -> Tuple[List[Tuple[int, numpy.ndarray]], Optional[numpy.ndarray]]:
+    """The positions of the rows of each group, and how to put the groups back.
+
+    For rows taken group by group (a part per row group, per record batch):
+    the parts joined in the order returned, then taken at ``inverse``, are
+    the rows in their first order.
+
+    Args:
+        groups: The group of each row (at least one row).
+
+    Returns:
+        ``(segments, inverse)``: ``segments`` lists ``(group, positions)``
+        in increasing group order, each group's positions in their order;
+        ``inverse`` is ``None`` when all rows are of one group.
+    """
+    order = numpy.argsort(groups, kind='stable')
+    segments = numpy.split(order, numpy.flatnonzero(numpy.diff(groups[order])) + 1)
+    if len(segments) == 1:
+        return [(int(groups[0]), order)], None
+    inverse = numpy.empty(len(order), numpy.int64)
+    inverse[order] = numpy.arange(len(order))
+    return [(int(groups[positions[0]]), positions) for positions in segments], inverse
+
+
 def copy_rows(sources: Sequence[numpy.ndarray], source_of_row: numpy.ndarray,
               starts: numpy.ndarray, lengths: numpy.ndarray,
               offsets: numpy.ndarray) -> numpy.ndarray:

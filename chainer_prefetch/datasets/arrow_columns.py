@@ -27,6 +27,7 @@ from chainer_prefetch.columnar import (
     concatenate_var,
     copy_rows,
     offsets_of,
+    split_by_group,
 )
 
 _BINARY = (pyarrow.types.is_binary, pyarrow.types.is_large_binary)
@@ -231,13 +232,12 @@ class _ArrowColumn:
     def take(self, rows: numpy.ndarray) -> Column:
         if len(self._chunks) == 1:
             return column_of_array(self._chunks[0].take(arrow_indices(rows)))
-        chunk_of_row = numpy.searchsorted(self._starts, rows, side='right') - 1
-        order = numpy.argsort(chunk_of_row, kind='stable')
+        segments, inverse = split_by_group(
+            numpy.searchsorted(self._starts, rows, side='right') - 1)
         parts = [self._chunks[chunk].take(arrow_indices(
-            rows[order[chunk_of_row[order] == chunk]] - self._starts[chunk]))
-            for chunk in numpy.unique(chunk_of_row).tolist()]
-        inverse = numpy.empty(len(rows), numpy.int64)
-        inverse[order] = numpy.arange(len(rows))
+            rows[positions] - self._starts[chunk])) for chunk, positions in segments]
+        if inverse is None:
+            return column_of_array(parts[0])
         return column_of_array(pyarrow.concat_arrays(parts).take(
             arrow_indices(inverse)))
 

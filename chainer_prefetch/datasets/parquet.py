@@ -57,7 +57,7 @@ import pyarrow.ipc
 import pyarrow.parquet
 from chainer.dataset import DatasetMixin
 
-from chainer_prefetch.columnar import ColumnarBatch, VarColumn
+from chainer_prefetch.columnar import ColumnarBatch, VarColumn, split_by_group
 from chainer_prefetch.datasets.arrow_columns import (
     StoredColumns,
     arrow_indices,
@@ -206,10 +206,13 @@ class RowGroupFile(DerivedFile):
                 piece = next(pieces)
             except StopIteration:
                 return
-            except (OSError, pyarrow.ArrowException, ValueError) as error:
+            except READ_ERRORS as error:
                 raise self.origin_error(error) from error
             yield piece
 
+
+#: What PyArrow raises for a file it cannot read or decode.
+READ_ERRORS = (OSError, pyarrow.ArrowException, ValueError)
 
 #: Bytes of a row group decoded at a time when it is staged (see
 #: :meth:`RowGroupFile.write_local_form`), from the footer's uncompressed
@@ -236,9 +239,8 @@ def read_row_group(path: str, row_group: int, columns: Sequence[str],
     try:
         with parquet_file:
             return parquet_file.read_row_group(row_group, columns=list(columns))
-    except (OSError, pyarrow.ArrowException, ValueError) as error:
-        raise ParquetFileError('cannot read row group {} of {}: {}'.format(
-            row_group, path, error)) from error
+    except READ_ERRORS as error:
+        raise _row_group_error(row_group, path, error) from error
 
 
 def open_parquet_file(path: str, row_group: int, columns: Sequence[str],
@@ -270,9 +272,14 @@ def open_parquet_file(path: str, row_group: int, columns: Sequence[str],
             mapped, _ = _map_column_chunks(path, chunks)
         return pyarrow.parquet.ParquetFile(mapped, metadata=metadata,
                                            pre_buffer=False)
-    except (OSError, pyarrow.ArrowException, ValueError) as error:
-        raise ParquetFileError('cannot read row group {} of {}: {}'.format(
-            row_group, path, error)) from error
+    except READ_ERRORS as error:
+        raise _row_group_error(row_group, path, error) from error
+
+
+def _row_group_error(row_group: int, path: str, error: Exception
+                     ) -> ParquetFileError:
+    return ParquetFileError('cannot read row group {} of {}: {}'.format(
+        row_group, path, error))
 
 
 def _selected_chunks(metadata, row_group: int, columns: Sequence[str]):
@@ -675,23 +682,19 @@ class ParquetDataset(DatasetMixin):
 
     def _take_rows(self, indices, groups, rows) -> Dict[str, Any]:
         """The file columns of rows ``rows`` of row groups ``groups``, in order."""
-        order = numpy.argsort(groups, kind='stable')
-        sorted_groups = groups[order]
-        bounds = numpy.flatnonzero(numpy.diff(sorted_groups)) + 1
+        segments, inverse = split_by_group(groups)
         parts = []
-        for segment in numpy.split(order, bounds):
-            group = int(groups[segment[0]])
+        for group, positions in segments:
             try:
                 stored = self._row_group_entry(group).columns(self._file_columns)
             except OSError as error:
-                error.index = int(indices[segment[0]])
+                error.index = int(indices[positions[0]])
                 raise
-            parts.append(ColumnarBatch(stored.take(rows[segment])))
-        if len(parts) == 1:
-            return dict(parts[0].columns)
-        inverse = numpy.empty(len(order), dtype=numpy.int64)
-        inverse[order] = numpy.arange(len(order))
-        return dict(ColumnarBatch.concatenate(parts).take(inverse).columns)
+            parts.append(stored.take(rows[positions]))
+        if inverse is None:
+            return parts[0]
+        joined = ColumnarBatch.concatenate([ColumnarBatch(part) for part in parts])
+        return dict(joined.take(inverse).columns)
 
     def _partition_columns(self, groups) -> Dict[str, Any]:
         columns = {}
@@ -949,7 +952,7 @@ def _as_python(column: pyarrow.Array, row: int):
 def _read_metadata(path: str):
     try:
         return pyarrow.parquet.read_metadata(path)
-    except (OSError, pyarrow.ArrowException, ValueError) as error:
+    except READ_ERRORS as error:
         raise ParquetFileError('{} is not a readable Parquet file: {}'.format(
             path, error)) from error
 

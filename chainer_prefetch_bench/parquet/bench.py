@@ -215,14 +215,16 @@ def _arrow_threads_batches(config: Dict, columns: List[str]):
     from chainer_prefetch.datasets.arrow_columns import StoredColumns
     from chainer_prefetch.datasets.parquet import RowGroupFile
     files = sorted(glob.glob(os.path.join(config['source'], '*.parquet')))
-    groups = [(path, group) for path in files for group in range(
-        pyarrow.parquet.read_metadata(path).num_row_groups)]
+    footers = {path: pyarrow.parquet.read_metadata(path) for path in files}
+    groups = [(path, group) for path in files
+              for group in range(footers[path].num_row_groups)]
     random = numpy.random.default_rng(config['seed'])
 
     def decode(path_and_group):
         path, group = path_and_group
-        rows = RowGroupFile(path, group, columns).piece_rows()
-        with pyarrow.parquet.ParquetFile(path, memory_map=True) as parquet_file:
+        rows = RowGroupFile(path, group, columns, footers[path]).piece_rows()
+        with pyarrow.parquet.ParquetFile(path, metadata=footers[path],
+                                         memory_map=True) as parquet_file:
             pieces = list(parquet_file.iter_batches(
                 batch_size=rows, row_groups=[group], columns=columns))
         return StoredColumns(pyarrow.Table.from_batches(pieces), columns)
