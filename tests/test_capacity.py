@@ -213,19 +213,10 @@ def test_ledger_is_recounted_by_the_first_user(tmp_path):
 
 
 def _load_in_this_process(original, located, local_root, entries):
-    """Runs the loader's code here, with its module state set and restored."""
-    from chainer_prefetch.iterators import _worker
-    names = ('_original_dataset', '_located_dataset', '_local_root',
-             '_dataset_files')
-    saved = [getattr(_worker, name) for name in names]
-    values = (original, located, os.path.join(local_root, ''), None)
-    for name, value in zip(names, values):
-        setattr(_worker, name, value)
-    try:
-        return _worker.load_examples(entries, None, 0)
-    finally:
-        for name, value in zip(names, saved):
-            setattr(_worker, name, value)
+    """Runs the loader's code here."""
+    from chainer_prefetch.iterators._worker import Loader
+    return Loader(original, located, local_root, None).load_examples(
+        entries, None, 0)
 
 
 def test_worker_reads_the_source_when_a_copy_vanished(dataset, tmp_path):

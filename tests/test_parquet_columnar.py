@@ -293,8 +293,9 @@ def _corrupt_row_group(directory, file_number, group):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize('loader_threads', [False, True])
 @pytest.mark.parametrize('local', [False, True])
-def test_a_corrupt_row_group_is_named(shop, tmp_path, local):
+def test_a_corrupt_row_group_is_named(shop, tmp_path, local, loader_threads):
     directory = str(tmp_path / 'shop')
     shutil.copytree(shop, directory)
     victim = _corrupt_row_group(directory, 1, 2)  # rows 60..69
@@ -303,7 +304,8 @@ def test_a_corrupt_row_group_is_named(shop, tmp_path, local):
         dataset.get_columns([0, 65, 1])
     iterator = PrefetchMultiprocessIterator(
         dataset, 30, n_processes=2, shuffle=False, repeat=False,
-        local_dir=str(tmp_path / 'local') if local else None)
+        local_dir=str(tmp_path / 'local') if local else None,
+        loader_threads=loader_threads)
     try:
         iterator.next()  # rows 0..29
         iterator.next()  # rows 30..59
@@ -328,14 +330,16 @@ def _fails_on_batches(batch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_transform_failing_on_one_row_is_named(shop):
+@pytest.mark.parametrize('loader_threads', [False, True])
+def test_a_transform_failing_on_one_row_is_named(shop, loader_threads):
     dataset = ParquetDataset(shop, columns=['id'], transform=_fails_on_row_17)
     with pytest.raises(ValueError, match='cannot use row 17') as raised:
         dataset.get_columns([3, 17, 4])
     assert raised.value.index == 17
     assert 'part-00000.parquet (row group 1)' in str(raised.value)
     iterator = PrefetchMultiprocessIterator(dataset, 10, n_processes=2,
-                                            shuffle=False)
+                                            shuffle=False,
+                                            loader_threads=loader_threads)
     try:
         iterator.next()
         with pytest.raises(ValueError, match='cannot use row 17') as raised:

@@ -1,11 +1,13 @@
-"""Columnar batches in the loader processes, and their shared-memory format.
+"""Columnar batches in the loaders, and their shared-memory format.
 
 A dataset with ``get_columns(indices)`` (see :mod:`chainer_prefetch.columnar`)
-loads a whole batch in one call.  :func:`load_columns` is the task a loader
-process runs for it: it reads the rows whose items are staged through the
-located view and the others from the source (the same split and the same
-fallback as :func:`._worker.load_examples`), then writes every column into
-the batch's shared buffer, one after the other at aligned offsets:
+loads a whole batch in one call.  :func:`load_columns_with` is the task a
+loader runs for it (:func:`load_columns` in a worker process): it reads the
+rows whose items are staged through the located view and the others from the
+source (the same split and the same fallback as
+:meth:`._worker.Loader.load_examples`).  A worker process then writes every
+column into the batch's shared buffer, one after the other at aligned
+offsets:
 
 * an array column as its bytes (:class:`_worker.Packed`);
 * a :class:`~chainer_prefetch.columnar.VarColumn` as its offsets, then its
@@ -16,7 +18,7 @@ The answer is the batch with :class:`_worker.Packed`/:class:`PackedVar` in
 place of the columns written, so only a few small objects are pickled.
 When the columns do not fit the buffer, nothing is written: the batch is
 pickled, and the answer says how many bytes per row it needed, so later
-buffers are made larger.
+buffers are made larger.  A loader thread hands the batch over as it is.
 """
 import traceback
 
@@ -24,7 +26,6 @@ import numpy
 
 from chainer_prefetch.columnar import ColumnarBatch, VarColumn
 from chainer_prefetch.iterators import _worker
-from chainer_prefetch.staging.sources import as_source
 
 
 class PackedVar:
@@ -105,64 +106,44 @@ def unpack_columns(packed: ColumnarBatch, memory, copy: bool = False
         for name, column in packed.columns.items()})
 
 
-def _read(indices: numpy.ndarray, local: numpy.ndarray):
+def _read(loader: _worker.Loader, indices: numpy.ndarray, local: numpy.ndarray):
     """The batch's columns and where the local rows came from."""
+    original, located = loader.original_dataset, loader.located_dataset
     if not local.any():
-        return _worker._original_dataset.get_columns(indices), _worker.SOURCE
+        return original.get_columns(indices), _worker.SOURCE
     read_from = _worker.LOCAL
     if local.all():
         try:
-            return _worker._located_dataset.get_columns(indices), read_from
+            return located.get_columns(indices), read_from
         except OSError as error:
-            if not _worker._about_local_file(error):
+            if not loader.about_local_file(error):
                 raise
-            return (_worker._original_dataset.get_columns(indices),
-                    _worker.FALLBACK)
+            return original.get_columns(indices), _worker.FALLBACK
     positions = numpy.flatnonzero(local)
     others = numpy.flatnonzero(~local)
     try:
-        located = _worker._located_dataset.get_columns(indices[positions])
+        from_local = located.get_columns(indices[positions])
     except OSError as error:
-        if not _worker._about_local_file(error):
+        if not loader.about_local_file(error):
             raise
-        read_from = _worker.FALLBACK
-        return _worker._original_dataset.get_columns(indices), read_from
-    original = _worker._original_dataset.get_columns(indices[others])
-    joined = ColumnarBatch.concatenate([located, original])
+        return original.get_columns(indices), _worker.FALLBACK
+    from_source = original.get_columns(indices[others])
+    joined = ColumnarBatch.concatenate([from_local, from_source])
     order = numpy.empty(len(indices), dtype=numpy.int64)
     order[numpy.concatenate([positions, others])] = numpy.arange(len(indices))
     return joined.take(order), read_from
 
 
-def _source_bytes(indices: numpy.ndarray) -> int:
-    """Bytes of shared storage that reading rows ``indices`` cost (an estimate).
-
-    Rows of one row group share its files: each file is looked at once.
-    """
-    if _worker._dataset_files is None:
-        return 0
-    per_file = {}
-    total = 0
-    for index in indices:
-        for named in _worker._dataset_files.files(int(index)):
-            if named not in per_file:
-                source = as_source(named)
-                try:
-                    per_file[named] = source.source_bytes_per_example(
-                        source.stat_origin())
-                except OSError:
-                    per_file[named] = 0
-            total += per_file[named]
-    return total
-
-
-def load_columns(indices: numpy.ndarray, local: numpy.ndarray, buffer_key):
+def load_columns_with(loader: _worker.Loader, indices: numpy.ndarray,
+                      local: numpy.ndarray, buffer_key):
     """Loads one batch as columns; the answer of one ``LoadColumns`` task.
 
     Args:
+        loader: The views to read with.
         indices: The batch's rows, in order.
         local: For each row, whether to read it through the located view.
-        buffer_key: Key of the batch's shared buffer, or ``None`` to pickle.
+        buffer_key: Key of the batch's shared buffer, or ``None`` to pickle
+            (or, in a loader thread, to hand the columns over as they are).
 
     Returns:
         ``(read_from, batch, source_bytes, unfit_bytes)``, or, if loading
@@ -171,7 +152,7 @@ def load_columns(indices: numpy.ndarray, local: numpy.ndarray, buffer_key):
         batch's first).
     """
     try:
-        batch, read_from = _read(indices, local)
+        batch, read_from = _read(loader, indices, local)
         if not isinstance(batch, ColumnarBatch) or len(batch) != len(indices):
             raise TypeError('get_columns must return a ColumnarBatch of {} rows, '
                             'got {!r}'.format(len(indices), batch))
@@ -179,8 +160,14 @@ def load_columns(indices: numpy.ndarray, local: numpy.ndarray, buffer_key):
         index = getattr(error, 'index', None)
         return (None, _worker._picklable(error), traceback.format_exc(),
                 int(indices[0]) if index is None else index)
-    source_bytes = _source_bytes(indices[~local])
+    source_bytes = loader.source_bytes(indices[~local])
     unfit = 0
-    if buffer_key is not None:
-        batch, unfit = pack_columns(batch, _worker._buffer(buffer_key))
+    buffer = loader.buffer(buffer_key)
+    if buffer is not None:
+        batch, unfit = pack_columns(batch, buffer)
     return read_from, batch, source_bytes, unfit
+
+
+def load_columns(indices: numpy.ndarray, local: numpy.ndarray, buffer_key):
+    """The task of a worker process: :func:`load_columns_with` its loader."""
+    return load_columns_with(_worker._loader, indices, local, buffer_key)

@@ -16,7 +16,8 @@ Roles (each a small class; the decisions are all in :mod:`._scheduler`)::
   event.
 * **CopyThreads** run ``LocalStore.stage`` (stage 2); copying waits on I/O,
   which releases the GIL, so threads add no process.
-* The **WorkerPool** runs the loader processes (stage 3).
+* The **WorkerPool** runs the loader processes (stage 3), or
+  **LoaderThreads** the loader threads (``loader_threads``).
 * **SharedBuffers**: anonymous shared memory (``memfd``), passed to the
   loader processes as descriptors; it has no name in ``/dev/shm``, so it
   does not depend on that file system's size and nothing is left behind
@@ -32,6 +33,7 @@ block on I/O ever runs under a lock that ``next()`` takes.
 import collections
 import copy
 import dataclasses
+import functools
 import mmap
 import os
 import queue
@@ -46,6 +48,7 @@ import numpy
 from chainer_prefetch.errors import ExampleLoadError, WorkerDiedError, example_load_error
 from chainer_prefetch.iterators import _columnar_worker, _worker
 from chainer_prefetch.iterators import _scheduler as s
+from chainer_prefetch.iterators._loader_threads import LoaderThreads
 from chainer_prefetch.iterators._worker_pool import TASKS_PER_WORKER, WorkerPool
 from chainer_prefetch.staging.sources import ReadAhead, Source, as_source, using_reads_ahead
 
@@ -530,6 +533,7 @@ class Executor:
         self._thread = None
         self._copies = None
         self._pool = None
+        self._tasks = None  # (load examples, load columns): what a load task calls
         self._buffers = None
         self.pickled_examples = 0  # arrays that did not fit the buffers
 
@@ -540,10 +544,18 @@ class Executor:
         settings = self._settings
         local_root = (None if self._store is None
                       else self._store.directory.data_root)
-        self._pool = WorkerPool(
-            settings.n_processes, _worker.initialize_worker,
-            (settings.dataset, self._located_dataset, local_root, self._files),
-            settings.maxtasksperchild)
+        views = (settings.dataset, self._located_dataset, local_root, self._files)
+        if settings.loader_threads:
+            loader = _worker.Loader(*views)
+            self._pool = LoaderThreads(settings.n_processes)
+            self._tasks = (loader.load_examples,
+                           functools.partial(_columnar_worker.load_columns_with,
+                                             loader))
+        else:
+            self._pool = WorkerPool(settings.n_processes,
+                                    _worker.initialize_worker, views,
+                                    settings.maxtasksperchild)
+            self._tasks = (_worker.load_examples, _columnar_worker.load_columns)
         self._buffers = SharedBuffers(self._pool, self._events.put)
         if self._store is not None:
             self._copies = CopyThreads(settings.n_copy_threads, self._copy,
@@ -682,7 +694,7 @@ class Executor:
         buffer = action.buffer if slot_bytes else None
         try:
             self._pool.submit(
-                action.task_id, _worker.load_examples,
+                action.task_id, self._tasks[0],
                 (action.entries, buffer, slot_bytes),
                 self._loaded_callback(action))
         except RuntimeError:  # closed while shutting down
@@ -724,7 +736,7 @@ class Executor:
             self._events.put(s.ColumnsLoaded(task_id, result))
 
         try:
-            self._pool.submit(action.task_id, _columnar_worker.load_columns,
+            self._pool.submit(action.task_id, self._tasks[1],
                               (action.indices, action.local, buffer), on_done)
         except RuntimeError:  # closed while shutting down
             pass

@@ -527,14 +527,20 @@ class _UnitBatch(_Batch):
     """
 
     def __init__(self, batch_id, rows, state, first_access, keys):
-        _, first, unit_of_row = numpy.unique(keys, return_index=True,
-                                             return_inverse=True)
-        _, last_reversed = numpy.unique(keys[::-1], return_index=True)
+        if keys[0] == keys[-1] and (keys == keys[0]).all():  # one unit
+            first = numpy.zeros(1, numpy.int64)
+            unit_of_row = numpy.zeros(len(rows), numpy.int64)
+            last_position = numpy.asarray([len(rows) - 1])
+        else:
+            _, first, unit_of_row = numpy.unique(keys, return_index=True,
+                                                 return_inverse=True)
+            _, last_reversed = numpy.unique(keys[::-1], return_index=True)
+            last_position = len(rows) - 1 - last_reversed
         super().__init__(batch_id, rows[first], state, first_access)
         self.rows = rows
         self.unit_of_row = unit_of_row.reshape(-1)
         self.weights = numpy.bincount(self.unit_of_row, minlength=len(first))
-        self.last_position = len(rows) - 1 - last_reversed
+        self.last_position = last_position
         self.local = numpy.zeros(len(first), dtype=bool)  # read locally
         self.columns: Any = None  # the loaded columns
 

@@ -16,11 +16,12 @@ class IteratorSettings:
     The fields are the iterator's arguments (documented there).  After
     construction ``order_sampler`` is the sampler in use (``shuffle`` turned
     into a ``ShuffleOrderSampler``, or ``None`` for index order) and
-    ``n_processes`` a number.
+    ``n_processes`` a number (of loader threads with ``loader_threads``).
 
     Raises:
-        ValueError: an option is out of range, or both ``shuffle`` and
-            ``order_sampler`` are given.
+        ValueError: an option is out of range, both ``shuffle`` and
+            ``order_sampler`` are given, or ``loader_threads`` comes with
+            ``maxtasksperchild`` or ``shared_mem``.
     """
 
     dataset: Any
@@ -42,6 +43,7 @@ class IteratorSettings:
     next_epoch_cache_bytes: Optional[int] = None
     recheck_sources: str = 'each_epoch'
     columnar: Optional[bool] = None
+    loader_threads: bool = False
 
     def __post_init__(self):
         for name in ('batch_size', 'n_copy_threads', 'n_copy_ahead'):
@@ -52,6 +54,12 @@ class IteratorSettings:
                 _check_positive_int(name, getattr(self, name))
         if self.shared_mem is not None and self.shared_mem != 0:
             _check_positive_int('shared_mem', self.shared_mem)
+        if self.loader_threads:
+            for name in ('maxtasksperchild', 'shared_mem'):
+                if getattr(self, name):
+                    raise ValueError(
+                        '{} applies to loader processes; it cannot be combined '
+                        'with loader_threads=True'.format(name))
         if self.recheck_sources not in RECHECK:
             raise ValueError('recheck_sources must be one of {}, got {!r}'
                              .format(', '.join(RECHECK), self.recheck_sources))

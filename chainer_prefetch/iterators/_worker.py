@@ -1,10 +1,15 @@
-"""Code that runs in the stage-3 loader processes, and the shared-memory format.
+"""Code that runs in the stage-3 loaders, and the shared-memory format.
 
-Each worker holds two views of the dataset: the original one (reads shared
-storage) and the located one (reads the local copies; see
+A :class:`Loader` holds two views of the dataset: the original one (reads
+shared storage) and the located one (reads the local copies; see
 :mod:`chainer_prefetch.staging.dataset_files`).  The scheduler decides per
 example which one to use: the located view only once stage 2 has every file
-of that example in place, so a worker never opens a file still being written.
+of that example in place, so a loader never opens a file still being written.
+
+The loaders are worker processes (each holds one :class:`Loader`, made by
+:func:`initialize_worker`; the pool calls :func:`load_examples` and
+:func:`._columnar_worker.load_columns`), or threads of the training process
+sharing one (``loader_threads``; their tasks call its methods directly).
 
 Falling back: when the located view fails with an ``OSError`` *about a file
 under the local directory* (another process sharing the directory evicted
@@ -12,11 +17,11 @@ it after stage 2 checked it), the example is read from shared storage
 instead and reported as such.  Any other exception is the dataset's and is
 reported, never retried: a bug in a transform runs once.
 
-Arrays travel back through a shared-memory buffer when one is given: each
-example has a region ``[offset, offset + example_bytes)`` of the buffer, and
-its arrays (the example itself, or the arrays directly in a tuple, list or
-dict) are written there and replaced by :class:`Packed` markers.  An array
-that does not fit travels by pickling.
+Arrays travel back from a worker process through a shared-memory buffer when
+one is given: each example has a region ``[offset, offset + example_bytes)``
+of the buffer, and its arrays (the example itself, or the arrays directly in
+a tuple, list or dict) are written there and replaced by :class:`Packed`
+markers.  An array that does not fit travels by pickling.
 """
 import math
 import mmap
@@ -24,18 +29,12 @@ import os
 import pickle
 import signal
 import traceback
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy
 
 from chainer_prefetch.iterators import _worker_pool
 from chainer_prefetch.staging.sources import as_source
-
-_original_dataset = None
-_located_dataset = None
-_local_root: Optional[str] = None
-_dataset_files = None
-_buffers = {}
 
 #: Codes of where an example was read (see ``_scheduler.ReadFrom``).
 LOCAL, SOURCE, FALLBACK = 'local', 'source', 'fallback'
@@ -43,9 +42,8 @@ LOCAL, SOURCE, FALLBACK = 'local', 'source', 'fallback'
 _ALIGN = 64
 
 
-def initialize_worker(original_dataset, located_dataset, local_root,
-                      dataset_files):
-    """Pool initializer: keeps the datasets.
+class Loader:
+    """What a loader reads with: the dataset's two views.
 
     Args:
         original_dataset: The dataset as the user gave it.
@@ -53,80 +51,120 @@ def initialize_worker(original_dataset, located_dataset, local_root,
         local_root: The directory the located view reads under, or ``None``.
         dataset_files: The dataset's files (to count the bytes of examples
             read from shared storage), or ``None``.
+        buffer_of: Maps a shared buffer's key to its bytes (in a worker
+            process); ``None`` where batches need no shared buffer (threads).
     """
-    global _original_dataset, _located_dataset, _local_root, _dataset_files
+
+    def __init__(self, original_dataset, located_dataset, local_root,
+                 dataset_files, buffer_of: Optional[Callable] = None):
+        self.original_dataset = original_dataset
+        self.located_dataset = located_dataset
+        self.local_root = (None if local_root is None
+                           else os.path.join(local_root, ''))
+        self.dataset_files = dataset_files
+        self._buffer_of = buffer_of
+
+    def buffer(self, key) -> Optional[numpy.ndarray]:
+        """The bytes of shared buffer ``key`` (``None``: no buffer, pickle)."""
+        if key is None:
+            return None
+        if self._buffer_of is None:
+            raise ValueError('shared buffer {!r} given to a loader without '
+                             'shared memory'.format(key))
+        return self._buffer_of(key)
+
+    def load_examples(self, entries, buffer_key, example_bytes):
+        """Loads examples; the answer of one load task.
+
+        Args:
+            entries: ``(position, index, read_local)`` per example: its
+                position in the batch (its region of the buffer), its index,
+                and whether to read through the located view.
+            buffer_key: Key of the batch's shared buffer (see
+                ``WorkerPool.share_fd``), or ``None`` to pickle the arrays.
+            example_bytes: Bytes of each example's region of the buffer.
+
+        Returns:
+            One ``(read_from, example, source_bytes, unfit_bytes)`` per entry
+            (``unfit_bytes``: the example's size if its arrays did not fit
+            its region, else 0), or, from the first example that fails,
+            ``(None, exception, traceback_text)`` and nothing after it.
+        """
+        buffer = self.buffer(buffer_key)
+        results = []
+        for position, index, read_local in entries:
+            read_from = LOCAL if read_local else SOURCE
+            try:
+                if read_local:
+                    try:
+                        example = self.located_dataset[index]
+                    except OSError as error:
+                        if not self.about_local_file(error):
+                            raise
+                        read_from = FALLBACK
+                if read_from != LOCAL:
+                    example = self.original_dataset[index]
+            except Exception as error:
+                results.append((None, _picklable(error), traceback.format_exc()))
+                break
+            unfit = 0
+            if buffer is not None:
+                start = position * example_bytes
+                example, unfit = pack(example, buffer, start,
+                                      start + example_bytes)
+            results.append((read_from, example,
+                            0 if read_from == LOCAL else self.source_bytes([index]),
+                            unfit))
+        return results
+
+    def about_local_file(self, error: OSError) -> bool:
+        """Whether ``error`` is about a file under the local directory."""
+        name = error.filename
+        return (self.local_root is not None and isinstance(name, str)
+                and name.startswith(self.local_root))
+
+    def source_bytes(self, indices) -> int:
+        """Bytes of shared storage that reading examples ``indices`` cost (an estimate).
+
+        Examples that share a file (the rows of one row group) count it once.
+        """
+        if self.dataset_files is None:
+            return 0
+        per_file = {}
+        total = 0
+        for index in indices:
+            for named in self.dataset_files.files(int(index)):
+                if named not in per_file:
+                    source = as_source(named)
+                    try:
+                        per_file[named] = source.source_bytes_per_example(
+                            source.stat_origin())
+                    except OSError:
+                        per_file[named] = 0
+                total += per_file[named]
+        return total
+
+
+# ---- in a worker process ---------------------------------------------------------
+
+_loader: Optional[Loader] = None
+_buffers = {}
+
+
+def initialize_worker(original_dataset, located_dataset, local_root,
+                      dataset_files):
+    """Pool initializer: keeps the datasets (the arguments of :class:`Loader`)."""
+    global _loader
     # Ctrl-C goes to the whole process group; the owner process stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_pool.on_drop(drop_buffer)
-    _original_dataset = original_dataset
-    _located_dataset = located_dataset
-    _local_root = None if local_root is None else os.path.join(local_root, '')
-    _dataset_files = dataset_files
+    _loader = Loader(original_dataset, located_dataset, local_root,
+                     dataset_files, _buffer)
 
 
 def load_examples(entries, buffer_key, example_bytes):
-    """Loads examples; the answer of one load task.
-
-    Args:
-        entries: ``(position, index, read_local)`` per example: its position
-            in the batch (its region of the buffer), its index, and whether
-            to read through the located view.
-        buffer_key: Key of the batch's shared buffer (see
-            ``WorkerPool.share_fd``), or ``None`` to pickle the arrays.
-        example_bytes: Bytes of each example's region of the buffer.
-
-    Returns:
-        One ``(read_from, example, source_bytes, unfit_bytes)`` per entry
-        (``unfit_bytes``: the example's size if its arrays did not fit its
-        region, else 0), or, from the first example that fails, ``(None,
-        exception, traceback_text)`` and nothing after it.
-    """
-    buffer = None if buffer_key is None else _buffer(buffer_key)
-    results = []
-    for position, index, read_local in entries:
-        read_from = LOCAL if read_local else SOURCE
-        try:
-            if read_local:
-                try:
-                    example = _located_dataset[index]
-                except OSError as error:
-                    if not _about_local_file(error):
-                        raise
-                    read_from = FALLBACK
-            if read_from != LOCAL:
-                example = _original_dataset[index]
-        except Exception as error:
-            results.append((None, _picklable(error), traceback.format_exc()))
-            break
-        unfit = 0
-        if buffer is not None:
-            start = position * example_bytes
-            example, unfit = pack(example, buffer, start, start + example_bytes)
-        results.append((read_from, example,
-                        0 if read_from == LOCAL else _source_bytes(index),
-                        unfit))
-    return results
-
-
-def _about_local_file(error: OSError) -> bool:
-    """Whether ``error`` is about a file under the local directory."""
-    name = error.filename
-    return (_local_root is not None and isinstance(name, str)
-            and name.startswith(_local_root))
-
-
-def _source_bytes(index) -> int:
-    """Bytes of shared storage that reading example ``index`` cost (an estimate)."""
-    if _dataset_files is None:
-        return 0
-    total = 0
-    for named in _dataset_files.files(index):
-        source = as_source(named)
-        try:
-            total += source.source_bytes_per_example(source.stat_origin())
-        except OSError:
-            pass
-    return total
+    """The task of a worker process: :meth:`Loader.load_examples`."""
+    return _loader.load_examples(entries, buffer_key, example_bytes)
 
 
 def _picklable(error: BaseException) -> BaseException:

@@ -165,6 +165,15 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             ``get_columns``.  ``shared_mem`` is then bytes per row; with
             ``maxtasksperchild`` a task is a batch.  Cannot be combined with
             the next-epoch cache.
+        loader_threads (bool): Run stage 3 as ``n_processes`` threads of
+            this process instead of worker processes.  For datasets whose
+            loading runs mostly outside the GIL, such as columnar batches of
+            a :class:`~chainer_prefetch.datasets.ParquetDataset` (Arrow and
+            NumPy copies): no answer is pickled and no batch is copied
+            through shared memory.  A dataset of Python code (JPEG decoding with Pillow,
+            per-row ``transform``) is faster in processes.  Cannot be
+            combined with ``maxtasksperchild`` or ``shared_mem``; the
+            dataset must allow calls from several threads at once.
 
     Attributes:
         settings (IteratorSettings): The options, validated; each is also
@@ -186,13 +195,13 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                  n_copy_ahead=16, local_capacity=None,
                  eviction_policy='belady', next_epoch_cache_examples=None,
                  next_epoch_cache_bytes=None, recheck_sources='each_epoch',
-                 columnar=None):
+                 columnar=None, loader_threads=False):
         self.settings = IteratorSettings(
             dataset, batch_size, repeat, shuffle, n_processes, n_prefetch,
             shared_mem, order_sampler, dataset_timeout, maxtasksperchild,
             local_dir, n_copy_threads, n_copy_ahead, local_capacity,
             eviction_policy, next_epoch_cache_examples, next_epoch_cache_bytes,
-            recheck_sources, columnar)
+            recheck_sources, columnar, loader_threads)
         self._initialize()
         self.reset()
 
@@ -267,7 +276,9 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             maxtasksperchild=settings.maxtasksperchild,
             staging=self._store is not None,
             limited=self._store is not None and self._store.limited,
-            item_of=self._item_of, example_bytes=settings.shared_mem,
+            item_of=self._item_of,
+            # Loader threads hand batches over in this process's memory.
+            example_bytes=0 if settings.loader_threads else settings.shared_mem,
             revalidate_each_epoch=settings.recheck_sources == 'each_epoch',
             # Columnar batches: two tasks per loader process, one loading
             # and one queued, so that none idles while its answer travels.

@@ -12,6 +12,10 @@ batch 100, for each number of loader workers:
   (``concat_columns``) takes the columns;
 * ``ours-shared``: the same, Parquet files read through the emulated shared
   storage (``testbed.storage``, FUSE);
+* ``ours-threads``, ``ours-threads-shared``: as ``ours-local`` and
+  ``ours-shared`` with loader threads in the training process
+  (``loader_threads=True``): batches are cut out of the staged row groups
+  there, with no pickling and no copy through shared memory;
 * ``ours-rows``: as ``ours-local`` on the row path (``columnar=False``:
   one example dict per row);
 * ``ours-chainer``: ParquetDataset + the same sampler + Chainer's
@@ -100,11 +104,13 @@ from chainer_prefetch_bench.testbed.processes import answer_child, exit_on_sigte
 from chainer_prefetch_bench.testbed.report import write_json
 
 BATCH_SIZE = 100
-METHODS = ('ours-local', 'ours-shared', 'ours-rows', 'ours-chainer', 'petastorm',
+METHODS = ('ours-local', 'ours-shared', 'ours-threads', 'ours-threads-shared',
+           'ours-rows', 'ours-chainer', 'petastorm',
            'petastorm-rows', 'petastorm-shared', 'arrow-threads', 'blog',
            'blog-shared')
 #: What each method is compared with (same storage, same workers).
 PEERS = {'ours-local': 'petastorm', 'ours-shared': 'petastorm-shared',
+         'ours-threads': 'petastorm', 'ours-threads-shared': 'petastorm-shared',
          'ours-rows': 'petastorm', 'ours-chainer': 'petastorm',
          'petastorm-rows': 'petastorm', 'arrow-threads': 'petastorm',
          'blog': 'petastorm',
@@ -154,7 +160,8 @@ def _open_ours(config: Dict, columns: List[str]):
             order_sampler=sampler, local_dir=config['local_dir'],
             local_capacity=(config.get('local_row_groups') or 2 * window + 2)
             * largest, n_copy_ahead=ahead,
-            columnar=config['method'] != 'ours-rows')
+            columnar=config['method'] != 'ours-rows',
+            loader_threads=config['method'].startswith('ours-threads'))
     return iterator, dataset
 
 
