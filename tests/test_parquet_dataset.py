@@ -98,7 +98,7 @@ def test_each_process_caches_a_bounded_number_of_row_groups(shop):
     dataset = ParquetDataset(shop, cache_row_groups=2)
     for index in range(0, ROWS, 5):
         dataset[index]
-    assert len(dataset._cache) == 2
+    assert len(dataset._caches.row_groups) == 2  # this thread's cache
 
 
 def test_spark_layout_glob_and_list_of_files(shop, tmp_path):

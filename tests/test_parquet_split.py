@@ -91,7 +91,8 @@ def test_each_rank_gets_whole_row_groups_padded_from_its_own(shop):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_the_tabular_example_under_mpiexec_two_ranks(tmp_path):
+@pytest.mark.parametrize('loaders', ['processes', 'threads'])
+def test_the_tabular_example_under_mpiexec_two_ranks(tmp_path, loaders):
     data = str(tmp_path / 'table')
     output = helpers.run_mpi(
         [sys.executable, EXAMPLE, data, '--make-data', '--rows', '6000',
@@ -100,7 +101,8 @@ def test_the_tabular_example_under_mpiexec_two_ranks(tmp_path):
     command = [mpi_launch.mpiexec_path(), '--oversubscribe', '--bind-to', 'none',
                '-n', '2', sys.executable, EXAMPLE, data, '--epoch', '3',
                '--batchsize', '50', '--local-dir', str(tmp_path / 'local'),
-               '--out', str(tmp_path / 'out'), '--record', record]
+               '--out', str(tmp_path / 'out'), '--record', record] + (
+                   ['--loader-threads'] if loaders == 'threads' else [])
     output = helpers.run_mpi(command, str(tmp_path), 300)
     ranks = []
     for rank in range(2):

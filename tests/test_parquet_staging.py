@@ -169,7 +169,7 @@ def test_the_located_view_names_a_local_file_that_is_gone(shop, tmp_path):
     directory.stage(derived)
     assert view[15]['id'] == 15
     os.unlink(directory.local_path(derived))
-    view._cache.clear()
+    view._caches.row_groups.clear()  # this thread's cache
     with pytest.raises(FileNotFoundError) as info:
         view[15]
     assert info.value.filename == directory.local_path(derived)

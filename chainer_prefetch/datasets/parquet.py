@@ -13,7 +13,8 @@ Example::
 Rows are numbered file after file (files in sorted path order), row group
 after row group.  Only the footers are read up front (length, schema, row
 groups); rows are read a row group at a time when an example needs them, and
-each process keeps at most ``cache_row_groups`` row groups.
+each process (each loader thread) keeps at most ``cache_row_groups`` row
+groups.
 
 **Staged through** :class:`~chainer_prefetch.PrefetchMultiprocessIterator`,
 example ``i`` names one *derived file* (see
@@ -32,12 +33,12 @@ reads the Parquet files directly, with its own bounded cache.
 """
 import collections
 import concurrent.futures
-import contextlib
 import errno
 import glob
 import hashlib
 import mmap
 import os
+import threading
 from typing import (
     Any,
     Callable,
@@ -501,7 +502,8 @@ class ParquetDataset(DatasetMixin):
         transform: Applied to each example (dict or tuple) before it is
             returned, in the worker processes (decode image bytes, map a label
             to an index, augment).  Must be picklable for ``forkserver``.
-        cache_row_groups: Decoded row groups each process keeps.  Reading
+        cache_row_groups: Decoded row groups each process (each thread)
+            keeps.  Reading
             directly from the Parquet files with the
             :class:`~chainer_prefetch.datasets.RowGroupWindowOrderSampler`,
             use at least its ``window``: a smaller cache re-reads row groups.
@@ -571,7 +573,7 @@ class ParquetDataset(DatasetMixin):
                  for file_index, group in self.row_group_locations]
         self._set_row_groups(list(range(len(sizes))), sizes, sizes)
         self._locate: Optional[Callable[[str], str]] = None
-        self._cache = collections.OrderedDict()
+        self._caches = threading.local()
 
     def _set_row_groups(self, groups: List[int], sizes: Sequence[int],
                         stored: Sequence[int]):
@@ -812,16 +814,23 @@ class ParquetDataset(DatasetMixin):
         return derived
 
     def _row_group_entry(self, group: int) -> '_CachedRowGroup':
-        cached = self._cache.get(group)
+        """Row group ``group`` from this thread's cache (read on a miss).
+
+        Each thread keeps its own ``cache_row_groups`` row groups, as each
+        process does: loader threads working on different row groups do not
+        evict each other's, nor read the same one at once.
+        """
+        cache = getattr(self._caches, 'row_groups', None)
+        if cache is None:
+            cache = self._caches.row_groups = collections.OrderedDict()
+        cached = cache.get(group)
         if cached is not None:
-            with contextlib.suppress(KeyError):  # threads may race here
-                self._cache.move_to_end(group)
+            cache.move_to_end(group)
             return cached
         cached = _CachedRowGroup(self._read_row_group(group), self.file_schema)
-        self._cache[group] = cached
-        while len(self._cache) > self.cache_row_groups:
-            with contextlib.suppress(KeyError):
-                self._cache.popitem(last=False)
+        cache[group] = cached
+        while len(cache) > self.cache_row_groups:
+            cache.popitem(last=False)
         return cached
 
     def _read_row_group(self, group: int) -> pyarrow.Table:
@@ -834,14 +843,18 @@ class ParquetDataset(DatasetMixin):
     def _clone(self) -> 'ParquetDataset':
         view = object.__new__(type(self))
         view.__dict__.update(self.__dict__)
-        view._cache = collections.OrderedDict()
+        view._caches = threading.local()
         view._row_group_files = {}
         return view
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state['_cache'] = collections.OrderedDict()
+        del state['_caches']
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._caches = threading.local()
 
 
 class _CachedRowGroup:

@@ -35,7 +35,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
        with the source's size and mtime;
     3. **loading**: ``n_processes`` worker processes load each example as
        soon as its files are local (reading the local copies), and return
-       arrays through shared memory as ``MultiprocessIterator`` does.
+       arrays through shared memory as ``MultiprocessIterator`` does (or
+       ``n_processes`` threads of this process, ``loader_threads=True``).
 
     Training starts at once; every read after the first copy of a file comes
     from local storage.  Threads do the copying because copying waits on I/O

@@ -21,6 +21,9 @@ depends on the features and on the region.  Make it, then train::
     mpiexec -n 2 python examples/parquet/train_tabular.py DATA --epoch 3 \\
         --local-dir /tmp/tabular-local --out /tmp/tabular-out
 
+``--loader-threads`` cuts the batches on threads of each rank instead of in
+loader processes.
+
 ``--record DIR`` writes, per rank, the row groups it was given and the ``id``
 of every row it trained on (the tests check the split with it).
 """
@@ -128,6 +131,9 @@ def parse_args(argv):
     parser.add_argument('--batchsize', type=int, default=100)
     parser.add_argument('--epoch', type=int, default=3)
     parser.add_argument('--loaderjob', type=int, default=1)
+    parser.add_argument('--loader-threads', action='store_true',
+                        help='load batches on --loaderjob threads of each '
+                        'rank instead of worker processes')
     parser.add_argument('--window', type=int, default=2,
                         help='row groups shuffled together')
     parser.add_argument('--local-dir', default=None,
@@ -160,7 +166,8 @@ def main(argv=None):
                                          seed=args.seed + comm.rank)
     train_iter = chainer_prefetch.PrefetchMultiprocessIterator(
         train, args.batchsize, n_processes=args.loaderjob,
-        order_sampler=sampler, local_dir=args.local_dir)
+        order_sampler=sampler, local_dir=args.local_dir,
+        loader_threads=args.loader_threads)
     model = TabularClassifier()
     optimizer = chainermn.create_multi_node_optimizer(
         chainer.optimizers.Adam(alpha=0.01), comm)
