@@ -244,3 +244,33 @@ def test_ctrl_c_ends_the_program_and_its_loader_threads():
             process.wait()
     assert 'KeyboardInterrupt' in stderr
     assert 'THREADS\n' in stdout, stdout  # none of ours alive after finalize
+
+
+class _ExitsOnSeven:
+    """Example 7 calls ``sys.exit``: a loader thread must not end silently."""
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, index):
+        if index == 7:
+            sys.exit('example 7 exits')
+        return index
+
+
+def test_a_task_ending_the_thread_reaches_next_instead_of_a_hang():
+    iterator = PrefetchMultiprocessIterator(_ExitsOnSeven(), 4, repeat=False,
+                                            shuffle=False, n_processes=2,
+                                            loader_threads=True,
+                                            dataset_timeout=None)
+    try:
+        assert iterator.next() == [0, 1, 2, 3]
+        with pytest.raises(SystemExit):
+            iterator.next()
+    finally:
+        iterator.finalize()
+
+
+def test_loader_threads_must_be_a_boolean():
+    with pytest.raises(ValueError, match='loader_threads must be True or False'):
+        PrefetchMultiprocessIterator(list(range(10)), 2, loader_threads='no')

@@ -500,7 +500,7 @@ class ParquetDataset(DatasetMixin):
         as_tuple: Return each example as a tuple in ``columns`` order instead
             of a dict.
         transform: Applied to each example (dict or tuple) before it is
-            returned, in the worker processes (decode image bytes, map a label
+            returned, in the loaders (decode image bytes, map a label
             to an index, augment).  Must be picklable for ``forkserver``.
         cache_row_groups: Decoded row groups each process (each thread)
             keeps.  Reading
@@ -818,7 +818,8 @@ class ParquetDataset(DatasetMixin):
 
         Each thread keeps its own ``cache_row_groups`` row groups, as each
         process does: loader threads working on different row groups do not
-        evict each other's, nor read the same one at once.
+        evict each other's.  (Without staging, each loader thread therefore
+        decodes the row groups it reads itself, as loader processes do.)
         """
         cache = getattr(self._caches, 'row_groups', None)
         if cache is None:
@@ -849,7 +850,7 @@ class ParquetDataset(DatasetMixin):
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        del state['_caches']
+        state.pop('_caches', None)
         return state
 
     def __setstate__(self, state):

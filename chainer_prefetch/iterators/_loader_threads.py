@@ -41,7 +41,15 @@ class LoaderThreads:
                on_done: Callback):
         """Runs ``function(*args)`` on a thread; ``on_done(task_id, ok, value)`` gets the answer.
 
-        ``ok`` is false and ``value`` the exception when ``function`` raised.
+        ``ok`` is false and ``value`` the exception when ``function`` raised
+        (any ``BaseException``: a thread that ended without an answer would
+        leave its batch waiting forever).
+
+        Args:
+            task_id: Passed back to ``on_done``.
+            function: Called on a thread as ``function(*args)``.
+            args: Its arguments.
+            on_done: Called on that thread with the answer.
 
         Raises:
             RuntimeError: the threads are closed.
@@ -59,6 +67,9 @@ class LoaderThreads:
 
         Tasks not started are dropped, and running ones abandoned: their
         callbacks are not called.  Idempotent.
+
+        Args:
+            deadline: When to stop waiting for threads still in a task.
         """
         if self._closed.is_set():
             return
@@ -78,7 +89,7 @@ class LoaderThreads:
             task_id, function, args, on_done = task
             try:
                 ok, value = True, function(*args)
-            except Exception as error:
+            except BaseException as error:  # SystemExit too: never a silent death
                 ok, value = False, error
             if not self._closed.is_set():
                 on_done(task_id, ok, value)

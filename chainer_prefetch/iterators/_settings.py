@@ -54,6 +54,9 @@ class IteratorSettings:
                 _check_positive_int(name, getattr(self, name))
         if self.shared_mem is not None and self.shared_mem != 0:
             _check_positive_int('shared_mem', self.shared_mem)
+        if not isinstance(self.loader_threads, bool):
+            raise ValueError('loader_threads must be True or False, got {!r}'
+                             .format(self.loader_threads))
         if self.loader_threads:
             for name in ('maxtasksperchild', 'shared_mem'):
                 if getattr(self, name):

@@ -171,10 +171,12 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             loading runs mostly outside the GIL, such as columnar batches of
             a :class:`~chainer_prefetch.datasets.ParquetDataset` (Arrow and
             NumPy copies): no answer is pickled and no batch is copied
-            through shared memory.  A dataset of Python code (JPEG decoding with Pillow,
-            per-row ``transform``) is faster in processes.  Cannot be
-            combined with ``maxtasksperchild`` or ``shared_mem``; the
-            dataset must allow calls from several threads at once.
+            through shared memory.  Work that holds the GIL (a per-row
+            ``transform`` in Python) does not run in parallel on threads.
+            Examples are the dataset's own objects, as with
+            ``MultithreadIterator``.  Cannot be combined with
+            ``maxtasksperchild`` or ``shared_mem``; the dataset must allow
+            calls from several threads at once.
 
     Attributes:
         settings (IteratorSettings): The options, validated; each is also

@@ -18,6 +18,10 @@ shared storage (``testbed.storage``, a real FUSE mount):
 ``proposed-cold``    PrefetchMultiprocessIterator reading the mount and
                      staging into an empty local directory.
 ``proposed-warm``    The same with the local directory already filled.
+``proposed-cold-threads``
+                     proposed-cold with ``loader_threads=True``: the JPEGs
+                     are decoded by threads of the training process
+                     instead of loader processes.
 ``proposed-warm-never``
                      proposed-warm with ``recheck_sources='never'``: over
                      more than one epoch, the cost of comparing every
@@ -77,7 +81,7 @@ from chainer_prefetch_bench.testbed.report import write_json
 
 METHODS = ('baseline-local', 'baseline-remote', 'baseline-local-unsized',
            'baseline-remote-unsized', 'proposed-cold', 'proposed-warm',
-           'proposed-warm-never',
+           'proposed-warm-never', 'proposed-cold-threads',
            'prefetch-local', 'copy-then-local', 'multithread', 'torch',
            'decode-limit')
 BATCH_SIZE = 32
@@ -114,6 +118,11 @@ def _make_iterator(method, dataset, config):
             dataset, BATCH_SIZE, n_processes=n, order_sampler=_order_sampler(),
             local_dir=config['local_dir'],
             n_copy_threads=config['n_copy_threads'], recheck_sources='never')
+    if method == 'proposed-cold-threads':
+        return chainer_prefetch.PrefetchMultiprocessIterator(
+            dataset, BATCH_SIZE, n_processes=n, order_sampler=_order_sampler(),
+            local_dir=config['local_dir'],
+            n_copy_threads=config['n_copy_threads'], loader_threads=True)
     if method == 'multithread':
         return MultithreadIterator(dataset, BATCH_SIZE, n_threads=n,
                                    order_sampler=_order_sampler())
