@@ -101,6 +101,24 @@ def test_each_process_caches_a_bounded_number_of_row_groups(shop):
     assert len(dataset._caches.row_groups) == 2  # this thread's cache
 
 
+def test_each_thread_keeps_its_own_row_groups(shop):
+    """Loader threads working on different row groups do not evict each other's."""
+    dataset = ParquetDataset(shop, cache_row_groups=1)
+    dataset[0]
+    last = len(dataset.row_group_sizes) - 1
+    other = {}
+
+    def read_the_last_row():
+        other['value'] = dataset[ROWS - 1]['id']
+        other['cached'] = list(dataset._caches.row_groups)
+
+    thread = threading.Thread(target=read_the_last_row)
+    thread.start()
+    thread.join()
+    assert other == {'value': ROWS - 1, 'cached': [last]}
+    assert list(dataset._caches.row_groups) == [0]  # not evicted by it
+
+
 def test_spark_layout_glob_and_list_of_files(shop, tmp_path):
     root = tmp_path / 'table'
     files = sorted(name for name in os.listdir(shop) if name.endswith('.parquet'))
