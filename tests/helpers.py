@@ -7,6 +7,7 @@ import errno
 import glob
 import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -247,6 +248,22 @@ def is_running(pid):
         return False
     state = status.rsplit(')', 1)[1].split()[0]
     return state not in ('Z', 'X')
+
+
+def press_ctrl_c(process, timeout=30):
+    """SIGINT to the process group of ``process`` (started in a new session), as Ctrl-C.
+
+    Returns:
+        ``(stdout, stderr)`` once it ended; it is killed if it has not
+        ended in ``timeout`` seconds (and the timeout raised).
+    """
+    try:
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: the whole group
+        return process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def wait_until(predicate, timeout, interval=0.02):

@@ -336,13 +336,7 @@ def _run_script(images, tmp_path):
 
 def test_ctrl_c_ends_the_program_and_its_workers(images, tmp_path):
     process, workers, segments = _run_script(images, tmp_path)
-    try:
-        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: the whole group
-        _, stderr = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    _, stderr = helpers.press_ctrl_c(process)
     assert 'KeyboardInterrupt' in stderr
     # Finished by the program itself (not by orphan detection later).
     assert [pid for pid in workers if helpers.is_running(pid)] == []

@@ -7,7 +7,6 @@ and without staging), resume, errors named, and nothing left running after
 failing task, a hung task at shutdown.
 """
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -236,12 +235,8 @@ def test_ctrl_c_ends_the_program_and_its_loader_threads():
         for line in process.stdout:
             if line.startswith('BATCH 2'):
                 break
-        os.killpg(process.pid, signal.SIGINT)
-        stdout, stderr = process.communicate(timeout=30)
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stdout, stderr = helpers.press_ctrl_c(process)
     assert 'KeyboardInterrupt' in stderr
     assert 'THREADS\n' in stdout, stdout  # none of ours alive after finalize
 

@@ -202,14 +202,10 @@ class RowGroupFile(DerivedFile):
     def _decoded(self, pieces: Iterator[pyarrow.RecordBatch]
                  ) -> Iterator[pyarrow.RecordBatch]:
         """``pieces``, each error of decoding them raised as a ``SourceFileError``."""
-        while True:
-            try:
-                piece = next(pieces)
-            except StopIteration:
-                return
-            except READ_ERRORS as error:
-                raise self.origin_error(error) from error
-            yield piece
+        try:
+            yield from pieces
+        except READ_ERRORS as error:
+            raise self.origin_error(error) from error
 
 
 #: What PyArrow raises for a file it cannot read or decode.

@@ -533,7 +533,8 @@ class Executor:
         self._thread = None
         self._copies = None
         self._pool = None
-        self._tasks = None  # (load examples, load columns): what a load task calls
+        # What a load task calls: Loader methods, or their worker-process entries.
+        self._load_examples = self._load_columns_of = None
         self._buffers = None
         self.pickled_examples = 0  # arrays that did not fit the buffers
 
@@ -548,14 +549,15 @@ class Executor:
         if settings.loader_threads:
             loader = _worker.Loader(*views)
             self._pool = LoaderThreads(settings.n_processes)
-            self._tasks = (loader.load_examples,
-                           functools.partial(_columnar_worker.load_columns_with,
-                                             loader))
+            self._load_examples = loader.load_examples
+            self._load_columns_of = functools.partial(
+                _columnar_worker.load_columns_with, loader)
         else:
             self._pool = WorkerPool(settings.n_processes,
                                     _worker.initialize_worker, views,
                                     settings.maxtasksperchild)
-            self._tasks = (_worker.load_examples, _columnar_worker.load_columns)
+            self._load_examples = _worker.load_examples
+            self._load_columns_of = _columnar_worker.load_columns
         self._buffers = SharedBuffers(self._pool, self._events.put)
         if self._store is not None:
             self._copies = CopyThreads(settings.n_copy_threads, self._copy,
@@ -694,7 +696,7 @@ class Executor:
         buffer = action.buffer if slot_bytes else None
         try:
             self._pool.submit(
-                action.task_id, self._tasks[0],
+                action.task_id, self._load_examples,
                 (action.entries, buffer, slot_bytes),
                 self._loaded_callback(action))
         except RuntimeError:  # closed while shutting down
@@ -736,7 +738,7 @@ class Executor:
             self._events.put(s.ColumnsLoaded(task_id, result))
 
         try:
-            self._pool.submit(action.task_id, self._tasks[1],
+            self._pool.submit(action.task_id, self._load_columns_of,
                               (action.indices, action.local, buffer), on_done)
         except RuntimeError:  # closed while shutting down
             pass

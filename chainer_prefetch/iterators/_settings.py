@@ -16,7 +16,8 @@ class IteratorSettings:
     The fields are the iterator's arguments (documented there).  After
     construction ``order_sampler`` is the sampler in use (``shuffle`` turned
     into a ``ShuffleOrderSampler``, or ``None`` for index order) and
-    ``n_processes`` a number (of loader threads with ``loader_threads``).
+    ``n_processes`` a number (of loader threads with ``loader_threads``,
+    and then ``shared_mem`` 0: no shared memory).
 
     Raises:
         ValueError: an option is out of range, both ``shuffle`` and
@@ -63,6 +64,8 @@ class IteratorSettings:
                     raise ValueError(
                         '{} applies to loader processes; it cannot be combined '
                         'with loader_threads=True'.format(name))
+            # Loader threads hand batches over in this process's memory.
+            object.__setattr__(self, 'shared_mem', 0)
         if self.recheck_sources not in RECHECK:
             raise ValueError('recheck_sources must be one of {}, got {!r}'
                              .format(', '.join(RECHECK), self.recheck_sources))

@@ -279,9 +279,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             maxtasksperchild=settings.maxtasksperchild,
             staging=self._store is not None,
             limited=self._store is not None and self._store.limited,
-            item_of=self._item_of,
-            # Loader threads hand batches over in this process's memory.
-            example_bytes=0 if settings.loader_threads else settings.shared_mem,
+            item_of=self._item_of, example_bytes=settings.shared_mem,
             revalidate_each_epoch=settings.recheck_sources == 'each_epoch',
             # Columnar batches: two tasks per loader process, one loading
             # and one queued, so that none idles while its answer travels.
