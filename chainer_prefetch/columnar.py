@@ -130,16 +130,9 @@ class VarColumn:
         rows = numpy.asarray(rows, dtype=numpy.int64)
         starts = self.offsets[rows]
         lengths = self.offsets[rows + 1] - starts
-        offsets = offsets_of(lengths)
-        if offsets[-1] >= LARGE_VALUE_BYTES * len(rows):
-            values = copy_rows([self.values], numpy.zeros(len(rows), numpy.int64),
-                               starts, lengths, offsets)
-            return VarColumn(offsets, values, self.kind)
-        # Gather every value position at once: the start of its row plus its
-        # place within the row.
-        within = numpy.arange(offsets[-1]) - numpy.repeat(offsets[:-1], lengths)
-        values = self.values[numpy.repeat(starts, lengths) + within]
-        return VarColumn(offsets, values, self.kind)
+        values = copy_rows([self.values], numpy.zeros(len(rows), numpy.int64),
+                           starts, lengths)
+        return VarColumn(offsets_of(lengths), values, self.kind)
 
     def tolist(self) -> List[Any]:
         """The rows as Python values (``bytes``, ``str`` or arrays)."""
@@ -167,12 +160,6 @@ class VarColumn:
 
 
 Column = Union[numpy.ndarray, VarColumn]
-
-#: Rows of a :class:`VarColumn` whose values average at least this many
-#: bytes are copied row by row (:func:`copy_rows`); smaller ones are gathered
-#: at once through an index of every value (8 bytes of index per value).
-LARGE_VALUE_BYTES = 256
-
 
 def offsets_of(lengths: Sequence[int]) -> numpy.ndarray:
     """Where each of consecutive pieces of ``lengths`` starts, and the end."""
@@ -207,23 +194,35 @@ def split_by_group(groups: numpy.ndarray
 
 
 def copy_rows(sources: Sequence[numpy.ndarray], source_of_row: numpy.ndarray,
-              starts: numpy.ndarray, lengths: numpy.ndarray,
-              offsets: numpy.ndarray) -> numpy.ndarray:
-    """Values of rows copied one by one into a new array.
+              starts: numpy.ndarray, lengths: numpy.ndarray) -> numpy.ndarray:
+    """Values of rows gathered into a new array, row after row.
+
+    The rows' bytes are joined in one call that holds the GIL throughout.
+    (Assigning NumPy slices row by row gives the GIL up and takes it back
+    for every row of a few kilobytes, which costs far more than the copy
+    while other threads of the process wait for the GIL, as loader threads
+    do.)
 
     Args:
-        sources: Arrays of values (one dtype).
+        sources: One-dimensional arrays of values (one dtype).
         source_of_row: For each row, the index of its source.
         starts: For each row, where its values start in its source.
         lengths: For each row, how many values it has.
-        offsets: Where each row goes in the result (``offsets_of(lengths)``).
+
+    Returns:
+        A new array of the rows' values, one row after the other.
     """
-    values = numpy.empty(int(offsets[-1]), sources[0].dtype)
-    for at, source, start, length in zip(
-            offsets[:-1].tolist(), source_of_row.tolist(), starts.tolist(),
-            lengths.tolist()):
-        values[at:at + length] = sources[source][start:start + length]
-    return values
+    dtype = sources[0].dtype
+    rows = zip(source_of_row.tolist(), starts.tolist(), (starts + lengths).tolist())
+    if dtype.hasobject:  # references, not bytes, to copy
+        return numpy.concatenate([numpy.empty(0, dtype)] + [
+            sources[source][start:end] for source, start, end in rows])
+    width = dtype.itemsize
+    views = [memoryview(numpy.ascontiguousarray(source, dtype).view(numpy.uint8))
+             for source in sources]
+    joined = bytearray().join([views[source][start * width:end * width]
+                               for source, start, end in rows])
+    return numpy.frombuffer(joined, dtype)
 
 
 class ColumnarBatch(collections.abc.Sequence):

@@ -60,6 +60,30 @@ def test_take_slices_and_concatenate_keep_rows():
             {'id': batch.columns['id']})])
 
 
+@pytest.mark.parametrize('values', [
+    [b'\x00\x01', b'', b'xyz' * 500, b'\xff'],
+    ['a', 'bc', '', 'déf'],
+    [np.arange(n, dtype=np.int32) for n in (3, 0, 1, 700)],
+    [np.linspace(0, 1, n).astype('>f8') for n in (2, 0, 4, 1)],
+    [np.array(row, dtype=object) for row in (['a', None], [], [{}], ['x', 5])],
+])
+def test_var_column_take_gives_each_row_as_it_was(values):
+    kind = ('bytes' if isinstance(values[0], bytes) else
+            'str' if isinstance(values[0], str) else 'list')
+    column = VarColumn.from_values(values, kind)
+    rows = [3, 0, 3, 1, 2]
+    taken = column.take(rows)
+    assert taken.values.dtype == column.values.dtype
+    assert not np.shares_memory(taken.values, column.values)
+    for got, row in zip(taken, rows):
+        if kind == 'list':
+            assert got.dtype == values[row].dtype
+            assert list(got) == list(values[row])
+        else:
+            assert got == values[row]
+    assert len(column.take([])) == 0
+
+
 def test_var_columns_match_arrow_both_ways():
     batch = _batch()
     assert batch.columns['title'].to_arrow().to_pylist() == \

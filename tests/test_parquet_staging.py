@@ -1,4 +1,6 @@
 """Row groups staged as Arrow IPC files: LocalDirectory and the full iterator."""
+import errno
+import io
 import multiprocessing
 import os
 import pickle
@@ -9,10 +11,16 @@ import pyarrow.ipc
 import pyarrow.parquet
 import pytest
 
+import helpers
 from chainer_prefetch import PrefetchMultiprocessIterator
 from chainer_prefetch.datasets import ParquetDataset, RowGroupFile, RowGroupWindowOrderSampler
 from chainer_prefetch.datasets import parquet as parquet_module
-from chainer_prefetch.staging import LocalDirectory, SourceFileError, resolve_dataset_files
+from chainer_prefetch.staging import (
+    LocalDirectory,
+    LocalStorageError,
+    SourceFileError,
+    resolve_dataset_files,
+)
 from chainer_prefetch.staging.sources import using_reads_ahead
 from chainer_prefetch_bench.testbed import parquet_dataset as make_parquet_dataset
 
@@ -106,6 +114,71 @@ def test_a_row_group_is_decoded_and_written_in_pieces(shop, tmp_path, monkeypatc
         1, columns=['image', 'id', 'tokens'])
     assert reader.read_all().equals(expected)
     assert reader.schema.names == ['image', 'id', 'tokens']
+
+
+def test_a_row_group_written_to_a_file_object_equals_the_one_arrow_writes_itself(
+        shop, tmp_path):
+    # A real file is written by Arrow through its descriptor; an object
+    # without one (BytesIO) through Python calls: the same bytes either way.
+    derived = RowGroupFile(_part(shop), 1, ('image', 'id', 'tokens'))
+    in_memory = io.BytesIO()
+    derived.write_local_form(derived.load_from_origin(), in_memory)
+    path = str(tmp_path / 'row_group.arrow')
+    with _CountedWrites(path, 'wb') as out:
+        derived.write_local_form(derived.load_from_origin(), out)
+        assert out.calls == 0  # not one write through Python
+    with open(path, 'rb') as written:
+        assert written.read() == in_memory.getvalue()
+    expected = pyarrow.parquet.ParquetFile(_part(shop)).read_row_group(
+        1, columns=['image', 'id', 'tokens'])
+    assert pyarrow.ipc.open_file(pyarrow.py_buffer(
+        in_memory.getvalue())).read_all().equals(expected)
+    # After bytes already written (still in the file object's buffer), the
+    # row group goes after them, and the file object goes on at its end.
+    with open(path, 'wb') as out:
+        out.write(b'head')
+        derived.write_local_form(derived.load_from_origin(), out)
+        out.write(b'tail')
+    with open(path, 'rb') as written:
+        content = written.read()
+    assert content[:4] == b'head' and content[-4:] == b'tail'
+    assert pyarrow.ipc.open_file(pyarrow.py_buffer(
+        content[4:-4])).read_all().equals(expected)
+
+
+def test_a_full_device_fails_a_row_group_with_enospc(shop):
+    derived = RowGroupFile(_part(shop), 1, ('image', 'id'))
+    with open('/dev/full', 'wb') as out:
+        with pytest.raises(OSError) as info:
+            derived.write_local_form(derived.load_from_origin(), out)
+    assert info.value.errno == errno.ENOSPC
+
+
+class _CountedWrites(io.FileIO):
+    calls = 0
+
+    def write(self, data):
+        self.calls += 1
+        return super().write(data)
+
+
+def test_a_row_group_larger_than_the_free_local_space_is_named_and_leaves_nothing(
+        tmp_path):
+    shared = str(tmp_path / 'shared')
+    make_parquet_dataset.generate(shared, 200, 1, 200, image_size=64)
+    derived = RowGroupFile(_part(shared), 0, ('image',))
+    assert derived.estimated_local_bytes(None) > 256 * 1024
+    mount = tmp_path / 'small'
+    with helpers.tmpfs(mount, '256k') as mounted:
+        if not mounted:
+            pytest.skip('cannot mount tmpfs (not root?)')
+        directory = LocalDirectory(str(mount / 'local'))
+        with pytest.raises(LocalStorageError) as info:
+            directory.stage(derived)
+        assert info.value.errno == errno.ENOSPC
+        assert info.value.filename == directory.local_path(derived)
+        assert not os.path.lexists(directory.local_path(derived))
+        assert os.listdir(directory.partial_root) == []
 
 
 def test_a_row_group_corrupt_after_its_first_piece_is_named_and_leaves_nothing(

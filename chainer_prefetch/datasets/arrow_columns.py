@@ -21,7 +21,6 @@ import numpy
 import pyarrow
 
 from chainer_prefetch.columnar import (
-    LARGE_VALUE_BYTES,
     Column,
     VarColumn,
     concatenate_var,
@@ -29,6 +28,11 @@ from chainer_prefetch.columnar import (
     offsets_of,
     split_by_group,
 )
+
+#: Variable-length columns of a stored table whose values average fewer
+#: bytes a row than this are joined into one column when the table is read
+#: (see :class:`StoredColumns`); larger ones stay in its record batches.
+LARGE_VALUE_BYTES = 256
 
 _BINARY = (pyarrow.types.is_binary, pyarrow.types.is_large_binary)
 _STRING = (pyarrow.types.is_string, pyarrow.types.is_large_string)
@@ -218,7 +222,7 @@ class _ChunkedValues:
         lengths = self._lengths[rows]
         offsets = offsets_of(lengths)
         return VarColumn(offsets, copy_rows(self._values, self._chunk[rows],
-                                            self._starts[rows], lengths, offsets),
+                                            self._starts[rows], lengths),
                          self._kind)
 
 

@@ -33,6 +33,7 @@ reads the Parquet files directly, with its own bounded cache.
 """
 import collections
 import concurrent.futures
+import contextlib
 import errno
 import glob
 import hashlib
@@ -171,6 +172,9 @@ class RowGroupFile(DerivedFile):
         one before (:class:`~chainer_prefetch.datasets.arrow_columns.StoredColumns`
         reads the record batches without joining them).
 
+        Arrow writes to the file's descriptor itself (:func:`_native_sink`),
+        so that writing takes no GIL.
+
         Args:
             content: The opened Parquet file (:meth:`load_from_origin`).
             out: The local file, open for writing.
@@ -179,14 +183,14 @@ class RowGroupFile(DerivedFile):
             SourceFileError: a piece of the row group cannot be decoded.
             OSError: the local file cannot be written.
         """
-        with content:
+        with content, _native_sink(out) as sink:
             pieces = self._decoded(content.iter_batches(
                 batch_size=self.piece_rows(), row_groups=[self.row_group],
                 columns=list(self.columns)))
             first = next(pieces, None)
             schema = (first.schema if first is not None else pyarrow.schema(
                 [content.schema_arrow.field(name) for name in self.columns]))
-            with pyarrow.ipc.new_file(out, schema) as writer:
+            with pyarrow.ipc.new_file(sink, schema) as writer:
                 if first is not None:
                     writer.write_batch(first)
                 for piece in pieces:
@@ -206,6 +210,40 @@ class RowGroupFile(DerivedFile):
             yield from pieces
         except READ_ERRORS as error:
             raise self.origin_error(error) from error
+
+
+@contextlib.contextmanager
+def _native_sink(out):
+    """An Arrow stream that appends to the file ``out`` writes to.
+
+    Arrow writes a Python file object through Python calls, taking the GIL
+    for each buffer it writes (about twenty for each piece of a row group),
+    and waits for it while other threads of the process (loader threads)
+    run Python code.  An empty file, opened again through
+    ``/proc/self/fd``, is written by Arrow alone; ``out`` is then moved to
+    its new end.  Without ``/proc``, for an object that is not a file, or a
+    file that is not empty (the offsets Arrow records start at its own
+    first byte), this is ``out`` itself.
+
+    Args:
+        out: A binary file object open for writing.
+    """
+    out.flush()
+    sink = None
+    try:
+        descriptor = out.fileno()
+        if out.writable() and out.tell() == 0 == os.fstat(descriptor).st_size:
+            sink = pyarrow.OSFile('/proc/self/fd/{}'.format(descriptor), 'ab')
+    except (OSError, ValueError):  # no descriptor (io.BytesIO), no /proc
+        pass
+    if sink is None:
+        yield out
+        return
+    try:
+        with sink:
+            yield sink
+    finally:
+        out.seek(0, os.SEEK_END)
 
 
 #: What PyArrow raises for a file it cannot read or decode.
