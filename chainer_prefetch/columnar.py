@@ -184,10 +184,10 @@ def split_by_group(groups: numpy.ndarray
         in increasing group order, each group's positions in their order;
         ``inverse`` is ``None`` when all rows are of one group.
     """
+    if (groups == groups[0]).all():  # (argsort gives the GIL up, even here)
+        return [(int(groups[0]), numpy.arange(len(groups)))], None
     order = numpy.argsort(groups, kind='stable')
     segments = numpy.split(order, numpy.flatnonzero(numpy.diff(groups[order])) + 1)
-    if len(segments) == 1:
-        return [(int(groups[0]), order)], None
     inverse = numpy.empty(len(order), numpy.int64)
     inverse[order] = numpy.arange(len(order))
     return [(int(groups[positions[0]]), positions) for positions in segments], inverse

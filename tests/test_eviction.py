@@ -178,6 +178,28 @@ def test_future_uses_of_an_order_with_repeats():
     assert future.following_use(0, after=2) == NEVER
 
 
+@pytest.mark.parametrize('seed', range(5))
+def test_future_uses_equal_a_scan_of_the_orders(seed):
+    # Orders with repeats and items shared by examples (the bisections of
+    # the sorted form), and permutations (its inverse form).
+    random = numpy.random.RandomState(seed)
+    size = 12
+    item_of = random.randint(0, 4, size) if seed % 2 else None
+    future = FutureUses(epoch_size=size, item_of=item_of)
+    orders = [random.randint(0, size, size) if seed < 3
+              else random.permutation(size) for _ in range(2)]
+    for epoch, order in enumerate(orders):
+        future.add_epoch(epoch, order)
+    accessed = numpy.concatenate(orders)
+    if item_of is not None:
+        accessed = item_of[accessed]
+    for item in range(size):
+        for after in range(2 * size):
+            later = numpy.flatnonzero(accessed[after + 1:] == item)
+            expected = after + 1 + int(later[0]) if len(later) else NEVER
+            assert future.following_use(item, after) == expected
+
+
 @pytest.mark.parametrize('policy', ['belady', 'lru'])
 def test_bookkeeping_is_bounded_by_what_is_stored_over_100_epochs(policy):
     """Memory follows the stored items, not the accesses (500 of 1,000 stored)."""

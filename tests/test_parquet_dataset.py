@@ -119,6 +119,21 @@ def test_each_thread_keeps_its_own_row_groups(shop):
     assert list(dataset._caches.row_groups) == [0]  # not evicted by it
 
 
+def test_row_groups_of_indices_equal_a_binary_search():
+    ends = np.cumsum([5, 1, 7, 3])  # 5, 6, 13, 16
+    random = np.random.RandomState(0)
+    batches = [np.array([0]), np.array([4, 0, 2]), np.array([5]),
+               np.array([4, 5]), np.array([6, 12, 6]), np.array([15, 0])]
+    batches += [random.randint(low, high, random.randint(1, 9))
+                for low, high in ((0, 5), (6, 13), (0, 16), (13, 16))
+                for _ in range(20)]
+    for indices in batches:
+        groups = parquet_module._groups_of(ends, indices)
+        np.testing.assert_array_equal(
+            groups, np.searchsorted(ends, indices, side='right'))
+        assert groups.dtype == np.int64
+
+
 def test_spark_layout_glob_and_list_of_files(shop, tmp_path):
     root = tmp_path / 'table'
     files = sorted(name for name in os.listdir(shop) if name.endswith('.parquet'))

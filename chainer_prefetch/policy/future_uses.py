@@ -16,6 +16,7 @@ and epoch, built in a few milliseconds even for ImageNet); any other order
 (repeats, shared items) as its items sorted stably with their positions.
 Only the last ``keep_epochs`` epochs are kept.
 """
+import bisect
 from typing import Dict, Optional, Sequence
 
 import numpy
@@ -92,8 +93,11 @@ def _first_position(known: tuple, item: int, earliest: int) -> Optional[int]:
         if 0 <= item < len(inverse) and inverse[item] >= earliest:
             return int(inverse[item])
         return None
+    # bisect, not numpy.searchsorted: that gives the GIL up (and waits to
+    # take it back from the loader threads) however small the search.
     _, items, positions = known
-    start, stop = numpy.searchsorted(items, (item, item + 1))
+    start = bisect.bisect_left(items, item)
+    stop = bisect.bisect_left(items, item + 1, start)
     run = positions[start:stop]  # ascending: the sort is stable
-    later = numpy.searchsorted(run, earliest)
+    later = bisect.bisect_left(run, earliest)
     return int(run[later]) if later < len(run) else None
