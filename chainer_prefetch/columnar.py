@@ -130,8 +130,8 @@ class VarColumn:
         rows = numpy.asarray(rows, dtype=numpy.int64)
         starts = self.offsets[rows]
         lengths = self.offsets[rows + 1] - starts
-        values = copy_rows([self.values], numpy.zeros(len(rows), numpy.int64),
-                           starts, lengths)
+        values = RowSources([self.values]).copy(
+            numpy.zeros(len(rows), numpy.int64), starts, lengths)
         return VarColumn(offsets_of(lengths), values, self.kind)
 
     def tolist(self) -> List[Any]:
@@ -193,36 +193,47 @@ def split_by_group(groups: numpy.ndarray
     return [(int(groups[positions[0]]), positions) for positions in segments], inverse
 
 
-def copy_rows(sources: Sequence[numpy.ndarray], source_of_row: numpy.ndarray,
-              starts: numpy.ndarray, lengths: numpy.ndarray) -> numpy.ndarray:
-    """Values of rows gathered into a new array, row after row.
+class RowSources:
+    """Arrays of values (one dtype) to gather rows of values from (:meth:`copy`).
 
     The rows' bytes are joined in one call that holds the GIL throughout.
     (Assigning NumPy slices row by row gives the GIL up and takes it back
     for every row of a few kilobytes, which costs far more than the copy
     while other threads of the process wait for the GIL, as loader threads
-    do.)
+    do.)  The arrays' bytes are looked up once, here, not at every copy.
 
     Args:
         sources: One-dimensional arrays of values (one dtype).
-        source_of_row: For each row, the index of its source.
-        starts: For each row, where its values start in its source.
-        lengths: For each row, how many values it has.
-
-    Returns:
-        A new array of the rows' values, one row after the other.
     """
-    dtype = sources[0].dtype
-    rows = zip(source_of_row.tolist(), starts.tolist(), (starts + lengths).tolist())
-    if dtype.hasobject:  # references, not bytes, to copy
-        return numpy.concatenate([numpy.empty(0, dtype)] + [
-            sources[source][start:end] for source, start, end in rows])
-    width = dtype.itemsize
-    views = [memoryview(numpy.ascontiguousarray(source, dtype).view(numpy.uint8))
-             for source in sources]
-    joined = bytearray().join([views[source][start * width:end * width]
-                               for source, start, end in rows])
-    return numpy.frombuffer(joined, dtype)
+
+    def __init__(self, sources: Sequence[numpy.ndarray]):
+        self.dtype = sources[0].dtype
+        self._arrays = list(sources)
+        self._bytes = None if self.dtype.hasobject else [
+            memoryview(numpy.ascontiguousarray(source, self.dtype).view(numpy.uint8))
+            for source in sources]
+
+    def copy(self, source_of_row: numpy.ndarray, starts: numpy.ndarray,
+             lengths: numpy.ndarray) -> numpy.ndarray:
+        """Values of rows gathered into a new array, row after row.
+
+        Args:
+            source_of_row: For each row, the index of its source.
+            starts: For each row, where its values start in its source.
+            lengths: For each row, how many values it has.
+
+        Returns:
+            A new array of the rows' values, one row after the other.
+        """
+        rows = zip(source_of_row.tolist(), starts.tolist(),
+                   (starts + lengths).tolist())
+        if self._bytes is None:  # references, not bytes, to copy
+            return numpy.concatenate([numpy.empty(0, self.dtype)] + [
+                self._arrays[source][start:end] for source, start, end in rows])
+        width = self.dtype.itemsize
+        joined = bytearray().join([self._bytes[source][start * width:end * width]
+                                   for source, start, end in rows])
+        return numpy.frombuffer(joined, self.dtype)
 
 
 class ColumnarBatch(collections.abc.Sequence):

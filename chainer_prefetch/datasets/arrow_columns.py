@@ -22,9 +22,9 @@ import pyarrow
 
 from chainer_prefetch.columnar import (
     Column,
+    RowSources,
     VarColumn,
     concatenate_var,
-    copy_rows,
     offsets_of,
     split_by_group,
 )
@@ -211,7 +211,7 @@ class _ChunkedValues:
     """A variable-length column of large values left in its record batches."""
 
     def __init__(self, parts: Sequence[VarColumn]):
-        self._values = [part.values for part in parts]
+        self._values = RowSources([part.values for part in parts])
         self._starts = numpy.concatenate([part.offsets[:-1] for part in parts])
         self._lengths = numpy.concatenate([part.lengths() for part in parts])
         self._chunk = numpy.repeat(numpy.arange(len(parts)),
@@ -221,9 +221,8 @@ class _ChunkedValues:
     def take(self, rows: numpy.ndarray) -> VarColumn:
         lengths = self._lengths[rows]
         offsets = offsets_of(lengths)
-        return VarColumn(offsets, copy_rows(self._values, self._chunk[rows],
-                                            self._starts[rows], lengths),
-                         self._kind)
+        return VarColumn(offsets, self._values.copy(
+            self._chunk[rows], self._starts[rows], lengths), self._kind)
 
 
 class _ArrowColumn:
