@@ -29,6 +29,19 @@ def write_random_file(path, size, seed=0):
     return data
 
 
+def corrupt_row_group(path, group):
+    """Overwrites the first column chunk of row group ``group`` of a Parquet file.
+
+    The footer stays intact, so the file opens and only that row group
+    fails to decode.
+    """
+    import pyarrow.parquet
+    chunk = pyarrow.parquet.read_metadata(path).row_group(group).column(0)
+    with open(path, 'r+b') as f:
+        f.seek(chunk.data_page_offset)
+        f.write(b'\xff' * chunk.total_compressed_size)
+
+
 def read_bytes(path):
     with open(path, 'rb') as f:
         return f.read()

@@ -283,11 +283,7 @@ def test_resume_mid_epoch_continues_with_the_same_rows(shop, tmp_path):
 
 def _corrupt_row_group(directory, file_number, group):
     path = os.path.join(directory, 'part-{:05d}.parquet'.format(file_number))
-    metadata = pyarrow.parquet.read_metadata(path)
-    chunk = metadata.row_group(group).column(0)
-    with open(path, 'r+b') as f:
-        f.seek(chunk.data_page_offset)
-        f.write(b'\xff' * chunk.total_compressed_size)
+    helpers.corrupt_row_group(path, group)
     return path
 
 

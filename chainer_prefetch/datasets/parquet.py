@@ -38,6 +38,7 @@ import contextlib
 import errno
 import glob
 import hashlib
+import itertools
 import mmap
 import os
 import threading
@@ -86,7 +87,9 @@ Paths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 class RowGroupFile(DerivedFile):
     """One row group of one Parquet file, with some columns, as an Arrow IPC file.
 
-    Its virtual path is ``<file>.rg<index>.<columns digest>.arrow``.  Row
+    Its virtual path is ``<file>.rg<index>.<columns digest>.arrow``.  With
+    ``local_dir=':memory:'`` its local form is the decoded table itself
+    (:meth:`memory_form`), kept in the training process.  Row
     groups are copied one at a time, in the order needed (see
     :attr:`~chainer_prefetch.staging.sources.Source.copied_one_at_a_time`).
 
@@ -97,6 +100,7 @@ class RowGroupFile(DerivedFile):
     """
 
     copied_one_at_a_time = True
+    has_memory_form = True
 
     def __init__(self, origin: str, row_group: int, columns: Sequence[str],
                  metadata=None):
@@ -185,17 +189,46 @@ class RowGroupFile(DerivedFile):
             OSError: the local file cannot be written.
         """
         with content, _native_sink(out) as sink:
-            pieces = self._decoded(content.iter_batches(
-                batch_size=self.piece_rows(), row_groups=[self.row_group],
-                columns=list(self.columns)))
-            first = next(pieces, None)
-            schema = (first.schema if first is not None else pyarrow.schema(
-                [content.schema_arrow.field(name) for name in self.columns]))
+            schema, pieces = self._pieces(content)
             with pyarrow.ipc.new_file(sink, schema) as writer:
-                if first is not None:
-                    writer.write_batch(first)
                 for piece in pieces:
                     writer.write_batch(piece)
+
+    def memory_form(self, content: pyarrow.parquet.ParquetFile
+                    ) -> Tuple[pyarrow.Table, int]:
+        """Decodes the row group into a table of pieces, kept in memory.
+
+        The pieces are those :meth:`write_local_form` writes; the table is
+        what a loader thread reads instead of the IPC file
+        (``local_dir=':memory:'``), without writing each row group to a
+        local file (which took more CPU than decoding it, on the
+        benchmark's machine).
+
+        Args:
+            content: The opened Parquet file (:meth:`load_from_origin`).
+
+        Returns:
+            The table and the bytes of its buffers.
+
+        Raises:
+            SourceFileError: a piece of the row group cannot be decoded.
+        """
+        with content:
+            schema, pieces = self._pieces(content)
+            table = pyarrow.Table.from_batches(list(pieces), schema)
+        return table, table.get_total_buffer_size()
+
+    def _pieces(self, content: pyarrow.parquet.ParquetFile
+                ) -> Tuple[pyarrow.Schema, Iterator[pyarrow.RecordBatch]]:
+        """The schema, and the row group decoded piece by piece (:meth:`piece_rows`)."""
+        pieces = self._decoded(content.iter_batches(
+            batch_size=self.piece_rows(), row_groups=[self.row_group],
+            columns=list(self.columns)))
+        first = next(pieces, None)
+        if first is None:
+            return pyarrow.schema([content.schema_arrow.field(name)
+                                   for name in self.columns]), iter(())
+        return first.schema, itertools.chain([first], pieces)
 
     def piece_rows(self) -> int:
         """Rows decoded at a time: about :data:`DECODE_BYTES` of the columns' decoded size."""
@@ -817,14 +850,16 @@ class ParquetDataset(DatasetMixin):
         return numpy.repeat(numpy.arange(len(self.row_group_sizes)),
                             self.row_group_sizes)
 
-    def with_file_locations(self, locate: Callable[[str], str]
+    def with_file_locations(self, locate: Callable[[RowGroupFile], Union[str, pyarrow.Table]]
                             ) -> 'ParquetDataset':
         """A view that reads each row group from ``locate(row_group_file)``.
 
-        A local file that has gone (evicted by another process) raises
-        ``FileNotFoundError`` naming it; the iterator's loader then reads
-        the row from the Parquet file and counts it as read from shared
-        storage.
+        ``locate`` gives the local IPC file's path, or, when the local forms
+        are kept in memory (``local_dir=':memory:'``), the decoded table.
+        A local form that has gone (evicted by another process, or from
+        memory) raises ``FileNotFoundError`` naming it; the iterator's loader
+        then reads the row from the Parquet file and counts it as read from
+        shared storage.
 
         Called in the process that stages (the training process), which from
         then on decodes row groups: Arrow's allocator there is told to give
@@ -871,7 +906,8 @@ class ParquetDataset(DatasetMixin):
 
     def _read_row_group(self, group: int) -> pyarrow.Table:
         if self._locate is not None:
-            return _read_ipc(self._locate(self._row_group_file(group)))
+            local = self._locate(self._row_group_file(group))
+            return local if isinstance(local, pyarrow.Table) else _read_ipc(local)
         file_index, group_in_file = self.row_group_locations[self.row_groups[group]]
         return read_row_group(self.files[file_index], group_in_file,
                               self._file_columns, self._metadata[file_index])

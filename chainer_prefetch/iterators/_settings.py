@@ -7,6 +7,7 @@ import numpy
 from chainer.iterators.order_samplers import ShuffleOrderSampler
 
 from chainer_prefetch.policy.eviction import STRATEGIES
+from chainer_prefetch.staging.local_memory import MEMORY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,14 @@ class IteratorSettings:
         if not isinstance(self.loader_threads, bool):
             raise ValueError('loader_threads must be True or False, got {!r}'
                              .format(self.loader_threads))
+        if self.local_dir == MEMORY and not (self.loader_threads
+                                             and self.local_capacity):
+            raise ValueError(
+                "local_dir={!r} keeps row groups in the training process's "
+                'memory, where only loader threads read them: it needs '
+                'loader_threads=True and local_capacity (bytes of memory to '
+                'use), got loader_threads={!r}, local_capacity={!r}'.format(
+                    MEMORY, self.loader_threads, self.local_capacity))
         if self.loader_threads:
             for name in ('maxtasksperchild', 'shared_mem'):
                 if getattr(self, name):

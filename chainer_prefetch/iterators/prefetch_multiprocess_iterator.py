@@ -15,6 +15,7 @@ from chainer_prefetch.policy import lookahead
 from chainer_prefetch.policy.next_epoch_cache import NextEpochCache
 from chainer_prefetch.staging.dataset_files import ItemSources, resolve_dataset_files
 from chainer_prefetch.staging.local_directory import LocalDirectory
+from chainer_prefetch.staging.local_memory import MEMORY, LocalMemory
 from chainer_prefetch.staging.local_store import STORE_COUNTERS, LocalStore
 from chainer_prefetch.staging.sources import as_source
 
@@ -108,6 +109,12 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         local_dir (str): Node-local directory for the copies (e.g. on the
             node's SSD).  Created with mode 0700 when missing; may be shared
             by several iterators and processes.  ``None`` disables staging.
+            ``':memory:'`` keeps the local forms in this process's memory
+            instead of files, for loader threads (``loader_threads=True``)
+            reading Parquet row groups (``ParquetDataset``): no write of
+            each decoded row group to a local file.  ``local_capacity`` is
+            then required and bounds that memory (a loader thread still
+            reading an evicted row group keeps it until it moves on).
         n_copy_threads (int): Threads copying files (stage 2).  Each waits
             on one file's latency at a time, so more threads hide more
             latency; 16 kept the emulated Lustre-like storage of
@@ -234,8 +241,12 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         item_of = files.item_of()
         if item_of is not None:
             item_of = numpy.asarray(item_of, dtype=numpy.int64)
+        if settings.local_dir == MEMORY:
+            _check_memory_forms(files, len(settings.dataset))
         try:
-            directory = LocalDirectory(settings.local_dir, self._stop_event)
+            directory = (LocalMemory(self._stop_event)
+                         if settings.local_dir == MEMORY
+                         else LocalDirectory(settings.local_dir, self._stop_event))
             try:
                 self._store = LocalStore(
                     directory, settings.local_capacity,
@@ -249,7 +260,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             return
         self._files = files
         self._item_of = item_of
-        self._located_dataset = files.located(directory.path_map)
+        self._located_dataset = files.located(directory.locate)
 
     def _copied_in_order(self) -> bool:
         """Whether stage 2 copies the first example's files one at a time, in order.
@@ -524,3 +535,22 @@ _ACCESS_COUNTS = ('examples_staged', 'examples_not_staged',
                   'examples_from_cache', 'examples_fallback')
 _EPOCH_COUNTS = ('examples_from_local', 'examples_from_source',
                  'examples_from_cache', 'bytes_from_source', 'bytes_copied')
+
+
+def _check_memory_forms(files, n_examples: int):
+    """Raises ``ValueError`` unless the dataset's sources can be kept in memory.
+
+    The first example's files stand for all, as in ``_copied_in_order``.
+
+    Args:
+        files: The dataset's files.
+        n_examples: The dataset's length.
+    """
+    named = files.files(0) if n_examples else ()
+    unfit = [source for source in map(as_source, named)
+             if not source.has_memory_form]
+    if unfit:
+        raise ValueError(
+            "local_dir={!r} keeps Parquet row groups (ParquetDataset) in "
+            'memory; example 0 reads {}, which has no in-memory form: give '
+            'a local directory instead'.format(MEMORY, unfit[0]))

@@ -5,6 +5,8 @@
 * :mod:`.local_directory`: the safe local directory (partial files, locks,
   atomic renames, no symlink followed);
 * :mod:`.capacity`: the byte budget shared by every process of a directory;
+* :mod:`.local_memory`: local forms kept in the training process's memory
+  instead (``local_dir=':memory:'``), with a budget of their own;
 * :mod:`.local_store`: directory + budget + eviction policy, what stage 2
   calls.
 """
@@ -13,6 +15,7 @@ from chainer_prefetch.staging.dataset_files import (  # NOQA
     DatasetFiles, resolve_dataset_files)
 from chainer_prefetch.staging.local_directory import (  # NOQA
     LocalDirectory, LocalPathMap)
+from chainer_prefetch.staging.local_memory import LocalMemory  # NOQA
 from chainer_prefetch.staging.local_store import LocalStore  # NOQA
 from chainer_prefetch.staging.sources import (  # NOQA
     DerivedFile, PlainFile, Source, as_source)

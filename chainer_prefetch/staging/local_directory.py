@@ -60,6 +60,7 @@ from chainer_prefetch.errors import (
     SourceFileError,
     UntrustedLocalDirectoryError,
 )
+from chainer_prefetch.staging.capacity import CapacityLedger
 from chainer_prefetch.staging.sources import Source, as_source, local_error
 from chainer_prefetch.staging.trust import check_private, trusted_root
 
@@ -141,7 +142,16 @@ class LocalDirectory:
                 error.errno, 'local directory {} is unusable: {}'.format(
                     os.path.abspath(root), error.strerror or error)) from error
         self.path_map = LocalPathMap(self.data_root)
+        self.locate = self.path_map  # what the dataset's located view reads with
         self.removed_leftovers = self._remove_leftovers()
+
+    def capacity_ledger(self, limit_bytes: int) -> CapacityLedger:
+        """This process's account of the directory's budget (shared by its users).
+
+        Raises:
+            OSError: the ledger's files cannot be created or opened.
+        """
+        return CapacityLedger(self.root, self.data_root, limit_bytes)
 
     def close(self):
         """Closes the directory descriptors (those in use close when released)."""

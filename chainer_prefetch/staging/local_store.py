@@ -16,6 +16,11 @@ many examples).  The store owns everything about the local side:
 * the eviction strategy (:mod:`chainer_prefetch.policy.eviction`), which
   ranks this process's items by their next use or last use.
 
+In place of the directory, a
+:class:`~chainer_prefetch.staging.local_memory.LocalMemory` keeps the local
+forms in this process's memory, with a budget of its own
+(``local_dir=':memory:'``).
+
 Thread-safe: called from the copy threads (:meth:`stage`) and from the
 pipeline thread (:meth:`hold`, :meth:`used`).  The store's lock guards only
 the strategy's bookkeeping; no file, ledger or shared-storage I/O runs under
@@ -30,12 +35,12 @@ import functools
 import os
 import threading
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from chainer_prefetch.errors import CopyLockTimeout, LocalStorageError, SourceFileError
 from chainer_prefetch.policy.eviction import make_strategy
-from chainer_prefetch.staging.capacity import CapacityLedger
 from chainer_prefetch.staging.local_directory import LocalDirectory
+from chainer_prefetch.staging.local_memory import LocalMemory
 from chainer_prefetch.staging.sources import Source
 
 
@@ -101,7 +106,9 @@ class LocalStore:
     """A local directory with an optional byte budget kept by an eviction policy.
 
     Args:
-        directory: Where the local files go.
+        directory: Where the local files go: a ``LocalDirectory``, or a
+            :class:`~chainer_prefetch.staging.local_memory.LocalMemory`
+            (the local forms kept in this process's memory).
         capacity_bytes: Limit of the bytes under the directory (shared with
             every process using it), or ``None`` for no limit.
         eviction_policy: A name in
@@ -111,7 +118,7 @@ class LocalStore:
             number of items stored, not their paths).
     """
 
-    def __init__(self, directory: LocalDirectory,
+    def __init__(self, directory: Union[LocalDirectory, LocalMemory],
                  capacity_bytes: Optional[int] = None,
                  eviction_policy: str = 'belady',
                  sources_of: Optional[Callable[[int], Sequence[Source]]] = None):
@@ -127,9 +134,7 @@ class LocalStore:
                 raise ValueError('a capacity limit needs sources_of')
             self._strategy = make_strategy(eviction_policy)
             try:
-                self._ledger = CapacityLedger(directory.root,
-                                              directory.data_root,
-                                              capacity_bytes)
+                self._ledger = directory.capacity_ledger(capacity_bytes)
             except OSError as error:
                 raise LocalStorageError(
                     error.errno, 'the capacity ledger of {} is unusable: {}'

@@ -12,7 +12,9 @@ included:
   decompression, one copy in the page cache for all of them).  A dataset asks
   for that by naming a :class:`DerivedFile` in ``example_files(i)``;
   subclasses say how to read the part (:meth:`DerivedFile.load_from_origin`)
-  and how to write its local form (:meth:`DerivedFile.write_local_form`).
+  and how to write its local form (:meth:`DerivedFile.write_local_form`),
+  and may also say how to keep it in memory instead
+  (:meth:`DerivedFile.memory_form`, for ``local_dir=':memory:'``).
 
 A source may read its origin *ahead* of its copy (:meth:`Source.read_ahead`):
 stage 2 reads the next one-at-a-time source while the current one is being
@@ -30,7 +32,7 @@ import errno
 import os
 import stat
 import threading
-from typing import Any, BinaryIO, Optional, Sequence, Union
+from typing import Any, BinaryIO, Optional, Sequence, Tuple, Union
 
 from chainer_prefetch.errors import LocalStorageError, SourceFileError
 
@@ -53,6 +55,9 @@ class Source:
     #: order needed (each copy is large, reads in parallel pieces and may
     #: decode: two at once only delay the first), instead of many at once.
     copied_one_at_a_time = False
+    #: Whether the local form can be kept in this process's memory instead
+    #: of a file (:meth:`DerivedFile.make_in_memory`; ``local_dir=':memory:'``).
+    has_memory_form = False
 
     def __repr__(self):
         return '{}({!r})'.format(type(self).__name__, self.name)
@@ -213,6 +218,19 @@ class DerivedFile(Source):
         """
         raise NotImplementedError
 
+    def memory_form(self, content: Any) -> Tuple[Any, int]:
+        """``content`` (from :meth:`load_from_origin`) as the local form kept in memory.
+
+        For subclasses with :attr:`has_memory_form`.  Errors of reading the
+        origin must be raised as :meth:`origin_error`, as in
+        :meth:`write_local_form`.
+
+        Returns:
+            ``(value, n_bytes)``: what the loaders read instead of a local
+            file, and the bytes of memory it holds.
+        """
+        raise NotImplementedError
+
     def origin_error(self, error: Exception) -> SourceFileError:
         """``error``, met reading the origin, as the error that names it."""
         return SourceFileError(
@@ -221,19 +239,46 @@ class DerivedFile(Source):
             self.origin)
 
     def write_local(self, out_fd, origin_stat, destination):
-        try:
-            ahead = _take_read_ahead(self, origin_stat)
-            # (a subclass that reads nothing ahead may take no argument)
-            content = (self.load_from_origin() if ahead is None
-                       else self.load_from_origin(ahead))
-        except (OSError, ValueError) as error:
-            raise self.origin_error(error) from error
+        content = self._load(origin_stat)
         try:
             with os.fdopen(os.dup(out_fd), 'wb') as out:
                 self.write_local_form(content, out)
             written = os.fstat(out_fd).st_size
         except OSError as error:
             raise local_error(error, destination) from error
+        self._check_unchanged(origin_stat)
+        stamp(out_fd, origin_stat, destination)
+        return written
+
+    def make_in_memory(self, origin_stat: os.stat_result) -> Tuple[Any, int]:
+        """The local form made in memory (:meth:`memory_form`), not in a file.
+
+        Args:
+            origin_stat: ``stat_origin()`` taken before reading.
+
+        Returns:
+            ``(value, n_bytes)`` as :meth:`memory_form` gives them.
+
+        Raises:
+            SourceFileError: the origin cannot be read, is corrupt, or changed
+                while it was read.
+        """
+        value = self.memory_form(self._load(origin_stat))
+        self._check_unchanged(origin_stat)
+        return value
+
+    def _load(self, origin_stat: os.stat_result) -> Any:
+        """:meth:`load_from_origin`, from what was read ahead if it is still current."""
+        try:
+            ahead = _take_read_ahead(self, origin_stat)
+            # (a subclass that reads nothing ahead may take no argument)
+            return (self.load_from_origin() if ahead is None
+                    else self.load_from_origin(ahead))
+        except (OSError, ValueError) as error:
+            raise self.origin_error(error) from error
+
+    def _check_unchanged(self, origin_stat: os.stat_result):
+        """Raises ``SourceFileError`` if the origin changed since ``origin_stat``."""
         try:
             after = os.stat(self.origin)
         except OSError as error:
@@ -242,8 +287,6 @@ class DerivedFile(Source):
                                                   origin_stat.st_mtime_ns):
             raise SourceFileError(errno.EIO, '{} changed while it was read'
                                   .format(self.origin), self.origin)
-        stamp(out_fd, origin_stat, destination)
-        return written
 
 
 class ReadAhead:

@@ -16,6 +16,10 @@ batch 100, for each number of loader workers:
   ``ours-shared`` with loader threads in the training process
   (``loader_threads=True``): batches are cut out of the staged row groups
   there, with no pickling and no copy through shared memory;
+* ``ours-memory``, ``ours-memory-shared``: as ``ours-threads`` and
+  ``ours-threads-shared`` with the row groups kept decoded in the training
+  process's memory (``local_dir=':memory:'``) instead of staged as files,
+  under the same ``local_capacity``;
 * ``ours-rows``: as ``ours-local`` on the row path (``columnar=False``:
   one example dict per row);
 * ``ours-chainer``: ParquetDataset + the same sampler + Chainer's
@@ -65,8 +69,9 @@ the bytes in ours' local directory (``peak_local_mb``: memory too when the
 directory is on tmpfs).  The page cache of the dataset is dropped before
 each run.  ``cpu_s`` is the CPU time (user and system) of the run's
 threads and processes, from the start of its clock to the end of its
-teardown.  ``--growth K`` adds runs of ``ours-local`` reading K times the
-rows, to show that its memory stays flat.
+teardown.  ``--growth K`` adds runs of ``--growth-methods`` (default
+``ours-local``) reading K times the rows, to show that their memory stays
+flat.
 
 Coverage (the blog's Tables 4 and 5) is measured by running the loaders on
 the ``id`` column for several epochs' worth of batches: the share of distinct
@@ -105,12 +110,13 @@ from chainer_prefetch_bench.testbed.report import write_json
 
 BATCH_SIZE = 100
 METHODS = ('ours-local', 'ours-shared', 'ours-threads', 'ours-threads-shared',
-           'ours-rows', 'ours-chainer', 'petastorm',
+           'ours-memory', 'ours-memory-shared', 'ours-rows', 'ours-chainer', 'petastorm',
            'petastorm-rows', 'petastorm-shared', 'arrow-threads', 'blog',
            'blog-shared')
 #: What each method is compared with (same storage, same workers).
 PEERS = {'ours-local': 'petastorm', 'ours-shared': 'petastorm-shared',
          'ours-threads': 'petastorm', 'ours-threads-shared': 'petastorm-shared',
+         'ours-memory': 'petastorm', 'ours-memory-shared': 'petastorm-shared',
          'ours-rows': 'petastorm', 'ours-chainer': 'petastorm',
          'petastorm-rows': 'petastorm', 'arrow-threads': 'petastorm',
          'blog': 'petastorm',
@@ -134,6 +140,7 @@ def _open_ours(config: Dict, columns: List[str]):
 
     from chainer_prefetch import PrefetchMultiprocessIterator
     from chainer_prefetch.datasets import ParquetDataset, RowGroupWindowOrderSampler
+    from chainer_prefetch.staging.local_memory import MEMORY
     window = config['window']
     dataset = ParquetDataset(config['source'], columns=columns,
                              cache_row_groups=window)
@@ -157,11 +164,14 @@ def _open_ours(config: Dict, columns: List[str]):
             dataset.row_group_sizes)) // BATCH_SIZE)
         iterator = PrefetchMultiprocessIterator(
             dataset, BATCH_SIZE, n_processes=config['workers'],
-            order_sampler=sampler, local_dir=config['local_dir'],
+            order_sampler=sampler, local_dir=(
+                MEMORY if config['method'].startswith('ours-memory')
+                else config['local_dir']),
             local_capacity=(config.get('local_row_groups') or 2 * window + 2)
             * largest, n_copy_ahead=ahead,
             columnar=config['method'] != 'ours-rows',
-            loader_threads=config['method'].startswith('ours-threads'))
+            loader_threads=config['method'].startswith(('ours-threads',
+                                                        'ours-memory')))
     return iterator, dataset
 
 
@@ -700,8 +710,10 @@ def parse_args(argv):
     parser.add_argument('--repeats', type=int, default=3,
                         help='runs of every configuration (medians reported)')
     parser.add_argument('--growth', type=int, default=10,
-                        help='also run ours-local at the most workers reading '
-                        'this many times the rows (0: not)')
+                        help='also run --growth-methods at the most workers '
+                        'reading this many times the rows (0: not)')
+    parser.add_argument('--growth-methods', default='ours-local',
+                        help='the methods of the growth runs (ours only)')
     parser.add_argument('--local-row-groups', type=int, default=0,
                         help="ours' local_capacity in row groups (0: twice "
                         'the window and 2; the number of row groups keeps '
@@ -745,6 +757,11 @@ def parse_args(argv):
     args.windows = [int(w) for w in str(args.window).split(',')]
     args.window = max(args.windows)  # growth and coverage runs
     args.methods = args.methods.split(',')
+    args.growth_methods = args.growth_methods.split(',')
+    if not all(method.startswith('ours') and method in METHODS
+               for method in args.growth_methods):
+        parser.error('--growth-methods: ours methods only, got {}'.format(
+            ','.join(args.growth_methods)))
     args.arrow_memory = args.arrow_memory.split(',')
     unknown = set(args.arrow_memory) - set(ARROW_MEMORY)
     if unknown:
@@ -812,13 +829,15 @@ def main(argv=None) -> int:
                           'MB, local {peak_local_mb:5.0f} MB'.format(
                               label(result).ljust(LABEL_WIDTH), **result),
                           flush=True)
-    for factor in ((1, args.growth) if args.growth else ()):
-        result = _measure(config_for('ours-local', max(args.workers),
-                                     args.batches * factor, dataset_dir),
-                          dataset_dir, local_dir, args.run_timeout * factor)
-        growth_runs.append(result)
-        print('growth x{}: {rows} rows, peak PSS {peak_pss_mb:.0f} MB, local '
-              '{peak_local_mb:.0f} MB'.format(factor, **result), flush=True)
+    for method in args.growth_methods if args.growth else ():
+        for factor in (1, args.growth):
+            result = _measure(config_for(method, max(args.workers),
+                                         args.batches * factor, dataset_dir),
+                              dataset_dir, local_dir, args.run_timeout * factor)
+            growth_runs.append(result)
+            print('growth {} x{}: {rows} rows, peak PSS {peak_pss_mb:.0f} MB, '
+                  'local {peak_local_mb:.0f} MB'.format(method, factor, **result),
+                  flush=True)
     coverage_dir = coverage_summary = None
     if args.coverage_epochs:
         coverage_dir = _generated(args.workdir, args.coverage_rows,

@@ -1,0 +1,358 @@
+"""Row groups kept decoded in the training process (``local_dir=':memory:'``).
+
+:class:`LocalMemory` and its ledger alone, under a :class:`LocalStore`
+with a budget, and the iterator with loader threads: the same batches as
+loader processes reading staged files, every row once per epoch within a
+small capacity, resume, errors named, bad options refused, and the memory
+let go at ``finalize()``.
+"""
+import errno
+import os
+import shutil
+import threading
+
+import chainer
+import pyarrow
+import pyarrow.parquet
+import pytest
+
+import helpers
+from chainer_prefetch import ExampleLoadError, PrefetchMultiprocessIterator
+from chainer_prefetch.columnar import concat_columns
+from chainer_prefetch.datasets import ParquetDataset, RowGroupFile, RowGroupWindowOrderSampler
+from chainer_prefetch.datasets.parquet import ParquetFileError
+from chainer_prefetch.staging import (
+    LocalMemory,
+    LocalStorageError,
+    LocalStore,
+    SourceFileError,
+    as_source,
+)
+from chainer_prefetch.staging.local_memory import MEMORY, MemoryLedger
+from chainer_prefetch_bench.testbed import parquet_dataset as make_parquet_dataset
+
+pytestmark = pytest.mark.timeout(120)
+ROWS, FILES, ROW_GROUP_ROWS = 120, 3, 10  # 12 row groups of 10 rows
+
+
+@pytest.fixture(scope='module')
+def shop(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp('shop'))
+    make_parquet_dataset.generate(directory, ROWS, FILES, ROW_GROUP_ROWS,
+                                  image_size=8)
+    return directory
+
+
+@pytest.fixture
+def own_shop(shop, tmp_path):
+    """A copy of the dataset that a test may change."""
+    directory = str(tmp_path / 'shop')
+    shutil.copytree(shop, directory)
+    return directory
+
+
+def _part(shop, number=0):
+    return os.path.join(shop, 'part-{:05d}.parquet'.format(number))
+
+
+# ---- LocalMemory and its ledger ---------------------------------------------------
+
+def test_a_row_group_is_kept_as_the_table_of_its_rows(shop):
+    memory = LocalMemory()
+    derived = RowGroupFile(_part(shop), 2, ('id', 'tokens', 'image'))
+    origin = os.stat(_part(shop))
+    assert not memory.is_current(derived, origin)
+    n_bytes = memory.stage(derived)
+    kept = memory.form_of(derived)
+    expected = pyarrow.parquet.ParquetFile(_part(shop)).read_row_group(
+        2, columns=['id', 'tokens', 'image'])
+    assert kept.equals(expected)
+    assert n_bytes == kept.get_total_buffer_size() > 0
+    assert memory.is_current(derived, origin)
+    assert memory.stage(derived) == 0  # current: not made again
+    assert memory.form_of(derived) is kept
+    assert memory.evict(derived) == n_bytes
+    assert memory.evict(derived) == 0
+    with pytest.raises(FileNotFoundError) as raised:
+        memory.form_of(derived)
+    assert raised.value.filename == MEMORY + '/' + derived.name.lstrip('/')
+
+
+def test_a_changed_origin_makes_the_kept_row_group_stale(own_shop):
+    memory = LocalMemory()
+    derived = RowGroupFile(_part(own_shop), 0, ('id',))
+    memory.stage(derived)
+    old = memory.form_of(derived)
+    stat = os.stat(_part(own_shop))
+    os.utime(_part(own_shop), ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert not memory.is_current(derived, os.stat(_part(own_shop)))
+    assert memory.stage(derived) > 0  # made again from the new origin
+    assert memory.form_of(derived) is not old
+
+
+def test_a_corrupt_row_group_is_named_and_nothing_is_kept(own_shop):
+    helpers.corrupt_row_group(_part(own_shop), 1)
+    memory = LocalMemory()
+    derived = RowGroupFile(_part(own_shop), 1, ('id',))
+    with pytest.raises(SourceFileError, match=_part(own_shop)):
+        memory.stage(derived)
+    with pytest.raises(FileNotFoundError):
+        memory.form_of(derived)
+
+
+def test_a_file_without_a_memory_form_is_refused_and_the_store_reads_sources(tmp_path):
+    path = str(tmp_path / 'plain.bin')
+    helpers.write_random_file(path, 1000)
+    memory = LocalMemory()
+    with pytest.raises(LocalStorageError) as raised:
+        memory.stage(path)
+    assert raised.value.errno == errno.EINVAL and 'plain.bin' in str(raised.value)
+    store = LocalStore(memory)
+    assert not store.stage(0, [as_source(path)]).staged
+    assert 'cannot be kept in memory' in store.disabled
+
+
+def test_the_ledger_counts_reservations_and_kept_bytes():
+    ledger = MemoryLedger(100)
+    assert ledger.reserve(60) and not ledger.reserve(41)
+    ledger.settle(60, 70)  # larger than estimated
+    assert ledger.used_bytes() == 70
+    assert ledger.reserve(30) and not ledger.reserve(1)
+    ledger.release(30)
+    ledger.freed(70)
+    assert ledger.used_bytes() == 0
+
+
+def test_a_budget_of_two_row_groups_evicts_by_next_use(shop):
+    dataset = ParquetDataset(shop, columns=['id', 'image'])
+    groups = [dataset.example_files(group * ROW_GROUP_ROWS)[0]
+              for group in range(4)]
+    memory = LocalMemory()
+    sizes = []
+    for derived in groups:
+        sizes.append(memory.stage(derived))
+        memory.evict(derived)
+    limit = sizes[0] + sizes[1] + max(sizes) // 2  # two row groups, not three
+    store = LocalStore(memory, limit, 'belady', lambda item: [groups[item]])
+    peak = 0
+    for access, item in enumerate([0, 1, 2, 0, 3, 1]):
+        result = store.stage(item, [groups[item]], access)
+        assert result.staged
+        store.used(item, access, float('inf'))
+        peak = max(peak, store.bytes_used())
+        kept = [g for g in range(4) if memory.is_current(groups[g], os.stat(
+            groups[g].origin))]
+        assert sum(sizes[g] for g in kept) == store.bytes_used() <= limit
+    assert peak <= limit
+    assert store.counters.snapshot()['files_evicted'] >= 3
+
+
+def test_two_threads_staging_one_row_group_make_it_once(shop):
+    class Counted(RowGroupFile):
+        made = 0
+
+        def memory_form(self, content):
+            type(self).made += 1
+            return super().memory_form(content)
+
+    memory = LocalMemory()
+    derived = Counted(_part(shop), 0, ('id', 'image'))
+    results = []
+    start = threading.Barrier(2)
+
+    def stage():
+        start.wait()
+        results.append(memory.stage(derived))
+
+    threads = [threading.Thread(target=stage) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert Counted.made == 1
+    assert sorted(results)[0] == 0 < sorted(results)[1]
+
+
+# ---- the iterator ----------------------------------------------------------------
+
+def _ids_and_images(batch):
+    columns = concat_columns(batch)
+    return [(int(i), bytes(image)) for i, image in zip(columns['id'],
+                                                        columns['image'])]
+
+
+def _iterator(dataset, local_dir, loader_threads, capacity=None, seed=0,
+              **options):
+    sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes, window=2,
+                                         seed=seed)
+    return PrefetchMultiprocessIterator(
+        dataset, 16, n_processes=2, order_sampler=sampler,
+        local_dir=local_dir, local_capacity=capacity,
+        loader_threads=loader_threads, **options)
+
+
+def _largest(dataset):
+    return max(dataset.example_files(group * ROW_GROUP_ROWS)[0]
+               .estimated_local_bytes(None) for group in range(ROWS // ROW_GROUP_ROWS))
+
+
+def test_memory_gives_the_batches_staged_files_give(shop, tmp_path):
+    dataset = ParquetDataset(shop, columns=['id', 'image', 'price'])
+    files = _iterator(dataset, str(tmp_path / 'local'), False)
+    try:
+        expected = [_ids_and_images(files.next()) for _ in range(17)]
+    finally:
+        files.finalize()
+    snapshot = helpers.ResourceSnapshot()
+    memory = _iterator(dataset, MEMORY, True, capacity=100 * _largest(dataset))
+    try:
+        got = [_ids_and_images(memory.next()) for _ in range(17)]
+        stats = memory.stats
+        assert snapshot.children == helpers.worker_children()  # no process
+    finally:
+        memory.finalize()
+    assert got == expected
+    assert stats['by_epoch'][1]['examples_from_local'] == ROWS
+    assert stats['files_copied'] == ROWS // ROW_GROUP_ROWS  # each once
+    assert not os.path.exists(MEMORY)  # not a directory
+    assert helpers.wait_until(lambda: snapshot.leftovers() == (set(), [], []), 10), \
+        snapshot.leftovers()
+
+
+def test_memory_on_the_row_path_gives_the_rows(shop):
+    dataset = ParquetDataset(shop, columns=['id', 'title'])
+    iterator = PrefetchMultiprocessIterator(
+        dataset, 16, repeat=False, shuffle=False, n_processes=2,
+        local_dir=MEMORY, local_capacity=100 * _largest(dataset),
+        loader_threads=True, columnar=False)
+    try:
+        rows = [example for batch in iterator for example in batch]
+    finally:
+        iterator.finalize()
+    assert rows == [dataset[index] for index in range(ROWS)]
+
+
+def test_every_row_once_per_epoch_within_two_row_groups_of_memory(shop):
+    dataset = ParquetDataset(shop, columns=['id', 'image'])
+    capacity = 2 * _largest(dataset)
+    iterator = _iterator(dataset, MEMORY, True, capacity=capacity, seed=4,
+                         n_copy_ahead=4)
+    try:
+        ids = []
+        for _ in range(2 * ROWS // 16):  # two epochs exactly (one batch straddles)
+            ids.extend(i for i, _ in _ids_and_images(iterator.next()))
+            assert iterator.stats['local_bytes_used'] <= capacity
+        stats = iterator.stats
+    finally:
+        iterator.finalize()
+    assert sorted(ids[:ROWS]) == sorted(ids[ROWS:]) == list(range(ROWS))
+    for start in range(0, 2 * ROWS, 16):  # no row twice in a batch of one epoch
+        if not start < ROWS < start + 16:
+            assert len(set(ids[start:start + 16])) == 16
+    assert stats['files_evicted'] > 0
+    assert stats['examples_from_local'] > 0
+
+
+def test_resume_mid_epoch_from_a_snapshot_of_loader_processes(shop, tmp_path):
+    dataset = ParquetDataset(shop, columns=['id', 'image'])
+
+    def ids(iterator, n):
+        return [[i for i, _ in _ids_and_images(iterator.next())] for _ in range(n)]
+
+    whole = _iterator(dataset, str(tmp_path / 'local'), False, seed=3)
+    try:
+        expected = ids(whole, 12)
+    finally:
+        whole.finalize()
+    first = _iterator(dataset, str(tmp_path / 'local'), False, seed=3)
+    try:
+        got = ids(first, 5)
+        snapshot = {}
+        first.serialize(chainer.serializers.DictionarySerializer(snapshot))
+    finally:
+        first.finalize()
+    second = _iterator(dataset, MEMORY, True, capacity=4 * _largest(dataset),
+                       seed=3)
+    try:
+        second.serialize(chainer.serializers.NpzDeserializer(snapshot))
+        got.extend(ids(second, 7))
+    finally:
+        second.finalize()
+    assert got == expected
+
+
+def test_a_corrupt_row_group_is_named(own_shop):
+    victim = _part(own_shop, 1)
+    helpers.corrupt_row_group(victim, 2)  # rows 60..69
+    dataset = ParquetDataset(own_shop, columns=['id', 'title'])
+    iterator = PrefetchMultiprocessIterator(
+        dataset, 30, n_processes=2, shuffle=False, repeat=False,
+        local_dir=MEMORY, local_capacity=100 * _largest(dataset),
+        loader_threads=True)
+    try:
+        iterator.next()  # rows 0..29
+        iterator.next()  # rows 30..59
+        with pytest.raises(ParquetFileError) as raised:
+            iterator.next()  # rows 60..89
+        stats = iterator.stats
+    finally:
+        iterator.finalize()
+    assert isinstance(raised.value, ExampleLoadError)
+    assert 'row group 2 of ' + victim in str(raised.value)
+    assert 60 <= raised.value.index < 70
+    assert stats['files_failed_source'] >= 1
+
+
+def test_finalize_lets_the_row_groups_go(shop):
+    dataset = ParquetDataset(shop, columns=['id'])
+    iterator = _iterator(dataset, MEMORY, True, capacity=100 * _largest(dataset))
+    iterator.next()
+    memory = iterator._store.directory
+    first = dataset.example_files(int(concat_columns(iterator.next())['id'][0]))[0]
+    assert memory.form_of(first) is not None
+    iterator.finalize()
+    with pytest.raises(FileNotFoundError):
+        memory.form_of(first)
+
+
+@pytest.mark.parametrize('options, message', [
+    ({'loader_threads': False, 'local_capacity': 10**9}, 'needs loader_threads=True'),
+    ({'loader_threads': True}, 'local_capacity'),
+])
+def test_memory_without_loader_threads_or_capacity_is_refused(shop, options, message):
+    dataset = ParquetDataset(shop, columns=['id'])
+    with pytest.raises(ValueError, match=message):
+        PrefetchMultiprocessIterator(dataset, 4, local_dir=MEMORY, **options)
+
+
+def test_memory_for_a_dataset_of_plain_files_is_refused(tmp_path):
+    root = str(tmp_path / 'images')
+    os.makedirs(root)
+    paths = []
+    for number in range(4):
+        paths.append(os.path.join(root, '{}.bin'.format(number)))
+        helpers.write_random_file(paths[-1], 100, seed=number)
+    dataset = _Files(paths)
+    with pytest.raises(ValueError, match='0.bin, which has no in-memory form'):
+        PrefetchMultiprocessIterator(dataset, 2, local_dir=MEMORY,
+                                     local_capacity=10**6, loader_threads=True)
+
+
+class _Files(chainer.dataset.DatasetMixin):
+    """Examples that are files (the staging protocol of plain files)."""
+
+    def __init__(self, paths):
+        self.paths = paths
+
+    def __len__(self):
+        return len(self.paths)
+
+    def get_example(self, index):
+        with open(self.paths[index], 'rb') as f:
+            return f.read()
+
+    def example_files(self, index):
+        return (self.paths[index],)
+
+    def with_file_locations(self, locate):
+        return _Files([locate(path) for path in self.paths])
