@@ -9,6 +9,9 @@ let go at ``finalize()``.
 import errno
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 import threading
 
 import chainer
@@ -313,6 +316,7 @@ def test_finalize_lets_the_row_groups_go(shop):
     iterator.finalize()
     with pytest.raises(FileNotFoundError):
         memory.form_of(first)
+    assert iterator.stats['local_bytes_used'] == 0
 
 
 @pytest.mark.parametrize('options, message', [
@@ -356,3 +360,97 @@ class _Files(chainer.dataset.DatasetMixin):
 
     def with_file_locations(self, locate):
         return _Files([locate(path) for path in self.paths])
+
+
+def test_a_copy_that_ends_after_close_is_not_kept(shop):
+    made, release = threading.Event(), threading.Event()
+
+    class Slow(RowGroupFile):
+        def memory_form(self, content):
+            form = super().memory_form(content)
+            made.set()
+            release.wait(30)
+            return form
+
+    memory = LocalMemory()
+    derived = Slow(_part(shop), 0, ('id', 'image'))
+    store = LocalStore(memory, 10**9, 'belady', lambda item: [derived])
+    results = []
+    thread = threading.Thread(target=lambda: results.append(store.stage(0, [derived])))
+    thread.start()
+    assert made.wait(30)
+    store.close()
+    release.set()
+    thread.join(30)
+    assert not results[0].staged
+    assert store.bytes_used() == 0
+    with pytest.raises(FileNotFoundError):
+        memory.form_of(derived)
+    with pytest.raises(InterruptedError):
+        memory.stage(derived)
+
+
+def test_running_out_of_memory_is_a_local_failure_not_the_files(tmp_path):
+    # A row group of 400 values of 2 MiB of zeros: a few kilobytes in the
+    # file, 800 MiB decoded.  It is written by one child process; another,
+    # which may map only 64 MiB more than it has mapped once everything is
+    # imported, decodes it and fails for real (a process that had made the
+    # table itself would still hold the memory its allocator kept).
+    path = str(tmp_path / 'zeros.parquet')
+    write = textwrap.dedent('''
+        import sys, pyarrow, pyarrow.parquet
+        pyarrow.parquet.write_table(pyarrow.table({
+            'id': list(range(400)), 'blob': [bytes(2 << 20)] * 400}),
+            sys.argv[1], row_group_size=400, compression='zstd')
+    ''')
+    stage = textwrap.dedent('''
+        import errno, os, resource, sys
+        from chainer_prefetch.datasets import RowGroupFile
+        from chainer_prefetch.staging import LocalDirectory, LocalMemory, LocalStorageError
+        source = RowGroupFile(sys.argv[1], 0, ('id', 'blob'))
+        directory = LocalDirectory(sys.argv[2])
+        with open('/proc/self/status') as status:
+            mapped = [int(line.split()[1]) * 1024 for line in status
+                      if line.startswith('VmSize')][0]
+        resource.setrlimit(resource.RLIMIT_AS, (mapped + (64 << 20),) * 2)
+        for where in (LocalMemory(), directory):
+            try:
+                where.stage(source)
+            except LocalStorageError as error:
+                assert error.errno == errno.ENOMEM, error
+                assert source.name in str(error), error
+                print(type(where).__name__, 'ENOMEM')
+            assert not os.listdir(directory.partial_root)
+    ''')
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    outputs = []
+    for script, arguments in ((write, [path]), (stage, [path, str(tmp_path / 'local')])):
+        done = subprocess.run([sys.executable, '-c', script] + arguments,
+                              capture_output=True, text=True, timeout=60,
+                              env=environment)
+        assert done.returncode == 0, done.stderr
+        outputs.append(done.stdout)
+    assert outputs[1].split() == ['LocalMemory', 'ENOMEM', 'LocalDirectory', 'ENOMEM']
+
+
+def test_a_dataset_mixing_row_groups_and_plain_files_reads_from_source(shop, tmp_path):
+    paths = []
+    for number in range(8):
+        paths.append(str(tmp_path / '{}.bin'.format(number)))
+        helpers.write_random_file(paths[-1], 100, seed=number)
+    rows = ParquetDataset(shop, columns=['id'])
+    dataset = chainer.datasets.ConcatenatedDataset(
+        chainer.datasets.TransformDataset(rows, lambda row: row['id']),
+        chainer.datasets.TransformDataset(_Files(paths), len))
+    iterator = PrefetchMultiprocessIterator(
+        dataset, 16, repeat=False, shuffle=False, n_processes=2,
+        local_dir=MEMORY, local_capacity=100 * _largest(rows),
+        loader_threads=True, columnar=False)
+    try:
+        with pytest.warns(UserWarning, match='cannot be kept in memory'):
+            got = [example for batch in iterator for example in batch]
+        stats = iterator.stats
+    finally:
+        iterator.finalize()
+    assert got == list(range(ROWS)) + [100] * 8
+    assert 'cannot be kept in memory' in stats['local_storage_error']

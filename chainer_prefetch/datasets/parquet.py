@@ -239,9 +239,15 @@ class RowGroupFile(DerivedFile):
 
     def _decoded(self, pieces: Iterator[pyarrow.RecordBatch]
                  ) -> Iterator[pyarrow.RecordBatch]:
-        """``pieces``, each error of decoding them raised as a ``SourceFileError``."""
+        """``pieces``, each error of decoding them raised as a ``SourceFileError``.
+
+        Running out of memory is not the file's fault: ``MemoryError``
+        (Arrow's included) goes on as it is.
+        """
         try:
             yield from pieces
+        except MemoryError:
+            raise
         except READ_ERRORS as error:
             raise self.origin_error(error) from error
 
@@ -640,7 +646,7 @@ class ParquetDataset(DatasetMixin):
         sizes = [self._metadata[file_index].row_group(group).num_rows
                  for file_index, group in self.row_group_locations]
         self._set_row_groups(list(range(len(sizes))), sizes, sizes)
-        self._locate: Optional[Callable[[str], str]] = None
+        self._locate: Optional[Callable[[RowGroupFile], Union[str, pyarrow.Table]]] = None
         self._caches = threading.local()
 
     def _set_row_groups(self, groups: List[int], sizes: Sequence[int],

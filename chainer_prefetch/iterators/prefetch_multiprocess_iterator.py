@@ -142,7 +142,9 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             on shared storage, which stage 3 then reads directly (a file
             larger than the whole limit always is); stage 3 also reads the
             source, instead of waiting, for an example whose copy has not
-            started when its batch is next.
+            started when its batch is next.  With ``local_dir=':memory:'``
+            the limit is this iterator's alone (the row groups it keeps in
+            this process; a copy of the iterator has a budget of its own).
         next_epoch_cache_examples (int): Enables the next-epoch cache: while
             an epoch runs, keep in memory (in this process) the examples
             that the next epoch needs first, at most this many, so that the
@@ -351,14 +353,16 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         """What the stages did so far, as a dict.
 
         Stage 2 (the local store): ``files_copied``, ``bytes_copied`` (read
-        from shared storage to make local files), ``local_bytes_written``,
+        from shared storage to make local files), ``local_bytes_written``
+        (with ``local_dir=':memory:'``, the bytes of the row groups kept),
         ``files_already_local`` (hits), ``files_failed_source``,
         ``copy_seconds`` (summed over copy threads), ``local_storage_error``
         (why staging stopped, or ``None``); with ``local_capacity`` also
         ``items_bypassed`` (left on shared storage by the policy),
         ``items_too_large`` (larger than the whole limit),
         ``files_evicted``, ``bytes_evicted`` and ``local_bytes_used`` (the
-        directory's ledger, all processes).
+        directory's ledger, all processes; with ``':memory:'`` the bytes kept
+        now, 0 after ``finalize()``).
 
         Per access (a batch position): ``examples_staged`` /
         ``examples_not_staged`` (planned to read local copies or the

@@ -15,10 +15,11 @@ the directory's ledger file.  The store's eviction policy keeps the budget
 (``local_capacity``) as it keeps a directory's.
 
 Only sources with an in-memory form can be kept
-(:attr:`~.sources.Source.has_memory_form`: Parquet row groups); a copy of
-another is refused with :class:`~chainer_prefetch.errors.LocalStorageError`,
-which makes the store read every item from shared storage, as for a full
-disk.
+(:attr:`~.sources.Source.has_memory_form`: Parquet row groups).  A copy of
+another (a dataset that mixes row groups and plain files) is refused with
+:class:`~chainer_prefetch.errors.LocalStorageError`, which makes the store
+read every item from shared storage from then on, as for a full disk; so
+is a copy for which memory ran out (``ENOMEM``).
 """
 import errno
 import os
@@ -38,7 +39,8 @@ class MemoryLedger:
 
     Thread-safe.  Bytes are counted from reservation (estimate) to
     settlement (real size) as the directory's ledger counts them, in this
-    process only.
+    process only.  Once closed, nothing is kept and nothing counts: it
+    reserves nothing more, and a copy that ends later adds nothing.
 
     Args:
         limit_bytes: The budget.
@@ -48,38 +50,45 @@ class MemoryLedger:
         self.limit_bytes = int(limit_bytes)
         self._lock = threading.Lock()
         self._reserved = self._settled = 0
+        self._closed = False
 
     def reserve(self, n_bytes: int) -> bool:
-        """Reserves ``n_bytes`` if they fit under the limit."""
+        """Reserves ``n_bytes`` if they fit under the limit (never once closed)."""
         with self._lock:
-            if self._reserved + self._settled + n_bytes > self.limit_bytes:
+            if self._closed or (self._reserved + self._settled + n_bytes
+                                > self.limit_bytes):
                 return False
             self._reserved += n_bytes
             return True
 
     def release(self, n_bytes: int):
         """Gives back a reservation that was not used."""
-        with self._lock:
-            self._reserved = max(0, self._reserved - n_bytes)
+        self._count(reserved=-n_bytes)
 
     def settle(self, reserved: int, written: int):
         """A local form of ``written`` bytes, reserved as ``reserved``, is about to be kept."""
-        with self._lock:
-            self._reserved = max(0, self._reserved - reserved)
-            self._settled += written
+        self._count(reserved=-reserved, settled=written)
 
     def freed(self, n_bytes: int):
         """A kept local form of ``n_bytes`` was dropped (evicted)."""
-        with self._lock:
-            self._settled -= n_bytes
+        self._count(settled=-n_bytes)
 
     def used_bytes(self) -> int:
-        """Bytes counted against the budget now."""
+        """Bytes counted against the budget now (0 once closed)."""
         with self._lock:
             return self._reserved + self._settled
 
     def close(self):
-        """Nothing to let go of (for the interface of ``CapacityLedger``)."""
+        """The forms are dropped: nothing counts any more."""
+        with self._lock:
+            self._closed = True
+            self._reserved = self._settled = 0
+
+    def _count(self, reserved: int = 0, settled: int = 0):
+        with self._lock:
+            if not self._closed:  # (reservations never go below 0, as in CapacityLedger)
+                self._reserved = max(0, self._reserved + reserved)
+                self._settled += settled
 
 
 class _Form:
@@ -108,8 +117,6 @@ class LocalMemory:
     Attributes:
         root, data_root: ``':memory:'``; errors about a form that is not
             kept name ``':memory:/<source name>'``.
-        locate: :meth:`form_of`, what the dataset's located view reads
-            with (a ``LocalDirectory`` gives a path map there).
 
     Args:
         stop_event: Set to make a copy that waits for another thread's copy
@@ -122,16 +129,33 @@ class LocalMemory:
         self._changed = threading.Condition()
         self._forms: Dict[str, _Form] = {}
         self._making = set()
-        self.locate = self.form_of
+        self._closed = False
 
     def capacity_ledger(self, limit_bytes: int) -> MemoryLedger:
         """The ledger that keeps this memory's budget."""
         return MemoryLedger(limit_bytes)
 
     def close(self):
-        """Drops every kept form (loader threads still holding one keep it)."""
+        """Drops every kept form, and keeps none from now on.
+
+        Loader threads still holding a form keep it; a copy still running
+        ends without keeping its form.
+        """
         with self._changed:
+            self._closed = True
             self._forms.clear()
+            self._changed.notify_all()
+
+    def locate(self, source: Union[str, Source]) -> Any:
+        """What the dataset's located view reads for ``source``.
+
+        The kept form of a source that has one (:meth:`form_of`, looked up
+        when the view reads it); for another, its own path, since none is
+        ever kept (a view that resolves its paths when it is made, as the
+        datasets of plain files do, then reads the files themselves).
+        """
+        source = as_source(source)
+        return self.form_of(source) if source.has_memory_form else source.name
 
     def local_path(self, source: Union[str, Source]) -> str:
         """The name of ``source``'s form in messages: ``':memory:/<name>'``."""
@@ -158,7 +182,8 @@ class LocalMemory:
             form = self._forms.get(as_source(source).name)
         if form is None:
             raise FileNotFoundError(errno.ENOENT, 'local form not in memory '
-                                    '(evicted)', self.local_path(source))
+                                    '(not made yet, or evicted)',
+                                    self.local_path(source))
         return form.value
 
     def stage(self, source: Union[str, Source],
@@ -180,7 +205,8 @@ class LocalMemory:
             SourceFileError: the origin cannot be read.
             LocalStorageError: ``source`` has no in-memory form, or memory
                 ran out.
-            InterruptedError: ``stop_event`` was set while waiting.
+            InterruptedError: ``stop_event`` was set while waiting, or
+                :meth:`close` was called.
         """
         source = as_source(source)
         if not source.has_memory_form:
@@ -192,23 +218,23 @@ class LocalMemory:
             origin_stat = source.stat_origin()
         with self._changed:
             while source.name in self._making:  # another thread makes it
+                self._check_open(source)
                 if self._stop_event.is_set():
                     raise InterruptedError('stopped while waiting for another '
                                            'copy of {}'.format(source))
                 self._changed.wait(_WAIT_SECONDS)
+            self._check_open(source)
             if self._is_current(source.name, origin_stat):
                 return 0
             self._making.add(source.name)
         try:
-            try:
-                value, n_bytes = source.make_in_memory(origin_stat)
-            except MemoryError as error:
-                raise LocalStorageError(
-                    errno.ENOMEM, 'out of memory keeping {}'.format(source),
-                    self.local_path(source)) from error
+            value, n_bytes = source.make_in_memory(origin_stat)
+            with self._changed:
+                self._check_open(source)
             if before_rename is not None:
                 before_rename(n_bytes)
             with self._changed:
+                self._check_open(source)
                 self._forms[source.name] = _Form(value, n_bytes,
                                                  _origin_key(origin_stat))
             return n_bytes
@@ -216,6 +242,10 @@ class LocalMemory:
             with self._changed:
                 self._making.discard(source.name)
                 self._changed.notify_all()
+
+    def _check_open(self, source):
+        if self._closed:
+            raise InterruptedError('closed: {} is not kept'.format(source))
 
     def evict(self, source: Union[str, Source]) -> int:
         """Drops the kept form of ``source``; returns its bytes (0 if none)."""

@@ -147,11 +147,15 @@ class LocalStore:
         return self._ledger is not None
 
     def bytes_used(self) -> Optional[int]:
-        """Bytes the capacity ledger counts (every process), or ``None`` without a limit."""
+        """Bytes the capacity ledger counts, or ``None`` without a limit.
+
+        For a directory, every process using it; for a ``LocalMemory``, the
+        forms this process keeps.
+        """
         return None if self._ledger is None else self._ledger.used_bytes()
 
     def close(self):
-        """Lets go of the ledger and the directory (the local files stay)."""
+        """Lets go of the ledger and the directory (local files stay; kept memory forms go)."""
         if self._ledger is not None:
             self._ledger.close()
         self.directory.close()

@@ -131,7 +131,8 @@ class Source:
         Raises:
             SourceFileError: the origin cannot be read, is corrupt, or changed
                 while it was read.
-            LocalStorageError: the local form cannot be written.
+            LocalStorageError: the local form cannot be written, or memory
+                ran out making it (``ENOMEM``).
         """
         raise NotImplementedError
 
@@ -239,13 +240,15 @@ class DerivedFile(Source):
             self.origin)
 
     def write_local(self, out_fd, origin_stat, destination):
-        content = self._load(origin_stat)
         try:
+            content = self._load(origin_stat)
             with os.fdopen(os.dup(out_fd), 'wb') as out:
                 self.write_local_form(content, out)
             written = os.fstat(out_fd).st_size
         except OSError as error:
             raise local_error(error, destination) from error
+        except MemoryError as error:
+            raise _out_of_memory(error, destination) from error
         self._check_unchanged(origin_stat)
         stamp(out_fd, origin_stat, destination)
         return written
@@ -262,8 +265,12 @@ class DerivedFile(Source):
         Raises:
             SourceFileError: the origin cannot be read, is corrupt, or changed
                 while it was read.
+            LocalStorageError: memory ran out (``ENOMEM``).
         """
-        value = self.memory_form(self._load(origin_stat))
+        try:
+            value = self.memory_form(self._load(origin_stat))
+        except MemoryError as error:
+            raise _out_of_memory(error, self.name) from error
         self._check_unchanged(origin_stat)
         return value
 
@@ -384,6 +391,12 @@ def source_error(error: OSError, source: str) -> SourceFileError:
     """A :class:`SourceFileError` naming ``source``."""
     return SourceFileError(error.errno, 'cannot read {}: {}'.format(
         source, error.strerror or error), source)
+
+
+def _out_of_memory(error: MemoryError, local_form: str) -> LocalStorageError:
+    """Memory ran out making a local form: a failure of the local side, not of the source."""
+    return LocalStorageError(errno.ENOMEM, 'out of memory making the local form '
+                             '{}: {}'.format(local_form, error), local_form)
 
 
 def local_error(error: OSError, path: str) -> LocalStorageError:
