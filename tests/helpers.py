@@ -29,6 +29,14 @@ def write_random_file(path, size, seed=0):
     return data
 
 
+def make_shop(directory, rows, files, row_group_rows):
+    """A small generated shopping dataset (8x8 images) in ``directory``; returns it."""
+    from chainer_prefetch_bench.testbed import parquet_dataset
+    parquet_dataset.generate(str(directory), rows, files, row_group_rows,
+                             image_size=8)
+    return str(directory)
+
+
 def corrupt_row_group(path, group):
     """Overwrites the first column chunk of row group ``group`` of a Parquet file.
 

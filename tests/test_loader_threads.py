@@ -22,7 +22,6 @@ from chainer_prefetch import ExampleLoadError, PrefetchMultiprocessIterator
 from chainer_prefetch.columnar import ColumnarBatch, concat_columns
 from chainer_prefetch.datasets import ParquetDataset, RowGroupWindowOrderSampler
 from chainer_prefetch.iterators._loader_threads import LoaderThreads
-from chainer_prefetch_bench.testbed import parquet_dataset as make_parquet_dataset
 
 pytestmark = pytest.mark.timeout(120)
 ROWS, ROW_GROUP_ROWS = 120, 10
@@ -31,10 +30,8 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture(scope='module')
 def shop(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp('shop'))
-    make_parquet_dataset.generate(directory, ROWS, 3, ROW_GROUP_ROWS,
-                                  image_size=8)
-    return directory
+    return helpers.make_shop(tmp_path_factory.mktemp('shop'), ROWS, 3,
+                             ROW_GROUP_ROWS)
 
 
 def _rows(batch):
@@ -99,15 +96,20 @@ def test_every_row_once_per_epoch_within_a_small_local_capacity(shop, tmp_path):
     assert sorted(ids) == list(range(ROWS))
 
 
-def test_resume_mid_epoch_from_a_snapshot_of_loader_processes(shop, tmp_path):
+@pytest.mark.parametrize('resumed_in', ['directory', 'memory'])
+def test_resume_mid_epoch_from_a_snapshot_of_loader_processes(shop, tmp_path,
+                                                             resumed_in):
     dataset = ParquetDataset(shop, columns=['id'])
 
     def make(loader_threads):
         sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes,
                                              window=2, seed=3)
+        in_memory = loader_threads and resumed_in == 'memory'
         return PrefetchMultiprocessIterator(
             dataset, 16, n_processes=2, order_sampler=sampler,
-            local_dir=str(tmp_path / 'local'), loader_threads=loader_threads)
+            local_dir=':memory:' if in_memory else str(tmp_path / 'local'),
+            local_capacity=10**9 if in_memory else None,
+            loader_threads=loader_threads)
 
     def ids(iterator, n):
         return [concat_columns(iterator.next())['id'].tolist() for _ in range(n)]

@@ -3,8 +3,9 @@
 :class:`LocalMemory` and its ledger alone, under a :class:`LocalStore`
 with a budget, and the iterator with loader threads: the same batches as
 loader processes reading staged files, every row once per epoch within a
-small capacity, resume, errors named, bad options refused, and the memory
-let go at ``finalize()``.
+small capacity, errors named, bad options refused, and the memory let go
+at ``finalize()``.  (Resume from a snapshot is in ``test_loader_threads``,
+a corrupt row group in ``test_parquet_columnar``.)
 """
 import errno
 import os
@@ -20,10 +21,9 @@ import pyarrow.parquet
 import pytest
 
 import helpers
-from chainer_prefetch import ExampleLoadError, PrefetchMultiprocessIterator
+from chainer_prefetch import PrefetchMultiprocessIterator
 from chainer_prefetch.columnar import concat_columns
 from chainer_prefetch.datasets import ParquetDataset, RowGroupFile, RowGroupWindowOrderSampler
-from chainer_prefetch.datasets.parquet import ParquetFileError
 from chainer_prefetch.staging import (
     LocalMemory,
     LocalStorageError,
@@ -32,7 +32,6 @@ from chainer_prefetch.staging import (
     as_source,
 )
 from chainer_prefetch.staging.local_memory import MEMORY, MemoryLedger
-from chainer_prefetch_bench.testbed import parquet_dataset as make_parquet_dataset
 
 pytestmark = pytest.mark.timeout(120)
 ROWS, FILES, ROW_GROUP_ROWS = 120, 3, 10  # 12 row groups of 10 rows
@@ -40,10 +39,8 @@ ROWS, FILES, ROW_GROUP_ROWS = 120, 3, 10  # 12 row groups of 10 rows
 
 @pytest.fixture(scope='module')
 def shop(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp('shop'))
-    make_parquet_dataset.generate(directory, ROWS, FILES, ROW_GROUP_ROWS,
-                                  image_size=8)
-    return directory
+    return helpers.make_shop(tmp_path_factory.mktemp('shop'), ROWS, FILES,
+                             ROW_GROUP_ROWS)
 
 
 @pytest.fixture
@@ -254,56 +251,6 @@ def test_every_row_once_per_epoch_within_two_row_groups_of_memory(shop):
             assert len(set(ids[start:start + 16])) == 16
     assert stats['files_evicted'] > 0
     assert stats['examples_from_local'] > 0
-
-
-def test_resume_mid_epoch_from_a_snapshot_of_loader_processes(shop, tmp_path):
-    dataset = ParquetDataset(shop, columns=['id', 'image'])
-
-    def ids(iterator, n):
-        return [[i for i, _ in _ids_and_images(iterator.next())] for _ in range(n)]
-
-    whole = _iterator(dataset, str(tmp_path / 'local'), False, seed=3)
-    try:
-        expected = ids(whole, 12)
-    finally:
-        whole.finalize()
-    first = _iterator(dataset, str(tmp_path / 'local'), False, seed=3)
-    try:
-        got = ids(first, 5)
-        snapshot = {}
-        first.serialize(chainer.serializers.DictionarySerializer(snapshot))
-    finally:
-        first.finalize()
-    second = _iterator(dataset, MEMORY, True, capacity=4 * _largest(dataset),
-                       seed=3)
-    try:
-        second.serialize(chainer.serializers.NpzDeserializer(snapshot))
-        got.extend(ids(second, 7))
-    finally:
-        second.finalize()
-    assert got == expected
-
-
-def test_a_corrupt_row_group_is_named(own_shop):
-    victim = _part(own_shop, 1)
-    helpers.corrupt_row_group(victim, 2)  # rows 60..69
-    dataset = ParquetDataset(own_shop, columns=['id', 'title'])
-    iterator = PrefetchMultiprocessIterator(
-        dataset, 30, n_processes=2, shuffle=False, repeat=False,
-        local_dir=MEMORY, local_capacity=100 * _largest(dataset),
-        loader_threads=True)
-    try:
-        iterator.next()  # rows 0..29
-        iterator.next()  # rows 30..59
-        with pytest.raises(ParquetFileError) as raised:
-            iterator.next()  # rows 60..89
-        stats = iterator.stats
-    finally:
-        iterator.finalize()
-    assert isinstance(raised.value, ExampleLoadError)
-    assert 'row group 2 of ' + victim in str(raised.value)
-    assert 60 <= raised.value.index < 70
-    assert stats['files_failed_source'] >= 1
 
 
 def test_finalize_lets_the_row_groups_go(shop):

@@ -26,17 +26,14 @@ from chainer_prefetch.datasets import (
     RowGroupWindowOrderSampler,
 )
 from chainer_prefetch.datasets import parquet as parquet_module
-from chainer_prefetch_bench.testbed import parquet_dataset as make_parquet_dataset
 
 ROWS, FILES, ROW_GROUP_ROWS = 120, 3, 10  # 12 row groups
 
 
 @pytest.fixture(scope='module')
 def shop(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp('shop'))
-    make_parquet_dataset.generate(directory, ROWS, FILES, ROW_GROUP_ROWS,
-                                  image_size=8)
-    return directory
+    return helpers.make_shop(tmp_path_factory.mktemp('shop'), ROWS, FILES,
+                             ROW_GROUP_ROWS)
 
 
 def _same_example(got, expected):
@@ -289,8 +286,8 @@ def _corrupt_row_group(directory, file_number, group):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize('loader_threads', [False, True])
-@pytest.mark.parametrize('local', [False, True])
+@pytest.mark.parametrize('local, loader_threads', [
+    (None, False), (None, True), ('dir', False), ('dir', True), ('memory', True)])
 def test_a_corrupt_row_group_is_named(shop, tmp_path, local, loader_threads):
     directory = str(tmp_path / 'shop')
     shutil.copytree(shop, directory)
@@ -300,7 +297,9 @@ def test_a_corrupt_row_group_is_named(shop, tmp_path, local, loader_threads):
         dataset.get_columns([0, 65, 1])
     iterator = PrefetchMultiprocessIterator(
         dataset, 30, n_processes=2, shuffle=False, repeat=False,
-        local_dir=str(tmp_path / 'local') if local else None,
+        local_dir={None: None, 'dir': str(tmp_path / 'local'),
+                   'memory': ':memory:'}[local],
+        local_capacity=10**9 if local == 'memory' else None,
         loader_threads=loader_threads)
     try:
         iterator.next()  # rows 0..29

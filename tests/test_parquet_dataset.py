@@ -13,6 +13,7 @@ import pyarrow.parquet
 import pytest
 from PIL import Image
 
+import helpers
 from chainer_prefetch.datasets import (
     ParquetColumnError,
     ParquetDataset,
@@ -21,17 +22,14 @@ from chainer_prefetch.datasets import (
     RowGroupWindowOrderSampler,
 )
 from chainer_prefetch.datasets import parquet as parquet_module
-from chainer_prefetch_bench.testbed import parquet_dataset as make_parquet_dataset
 
 ROWS, FILES, ROW_GROUP_ROWS = 90, 3, 10  # files of 30 rows: 10 + 10 + 10
 
 
 @pytest.fixture(scope='module')
 def shop(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp('shop'))
-    make_parquet_dataset.generate(directory, ROWS, FILES, ROW_GROUP_ROWS,
-                                  image_size=8)
-    return directory
+    return helpers.make_shop(tmp_path_factory.mktemp('shop'), ROWS, FILES,
+                             ROW_GROUP_ROWS)
 
 
 def _copy_of(shop, tmp_path):

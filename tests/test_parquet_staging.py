@@ -29,10 +29,7 @@ ROWS, FILES, ROW_GROUP_ROWS = 120, 3, 10  # 12 row groups
 
 @pytest.fixture
 def shop(tmp_path):
-    directory = str(tmp_path / 'shared')
-    make_parquet_dataset.generate(directory, ROWS, FILES, ROW_GROUP_ROWS,
-                                  image_size=8)
-    return directory
+    return helpers.make_shop(tmp_path / 'shared', ROWS, FILES, ROW_GROUP_ROWS)
 
 
 def _part(shop, number=0):
