@@ -635,6 +635,9 @@ class ParquetDataset(DatasetMixin):
         self.columns = _check_columns(self.schema, columns)
         self._file_columns = tuple(name for name in self.columns
                                    if name not in self.partitions.names)
+        # The columns whose values come as Python numbers in a ColumnarBatch.
+        self._number_columns = [name for name in self.columns
+                                if is_number_type(self.schema.field(name).type)]
         self.as_tuple = as_tuple
         self.transform = transform
         self.batch_transform = batch_transform
@@ -748,8 +751,7 @@ class ParquetDataset(DatasetMixin):
         columns.update(self._partition_columns(groups))
         form = 'tuple' if self.as_tuple else 'dict'
         batch = ColumnarBatch({name: columns[name] for name in self.columns},
-                              form, [name for name in self.columns
-                                     if is_number_type(self.schema.field(name).type)])
+                              form, self._number_columns)
         if self.transform is not None:
             batch = self._transform_rows(batch, indices, groups)
         if self.batch_transform is not None:
@@ -773,12 +775,14 @@ class ParquetDataset(DatasetMixin):
         return dict(joined.take(inverse).columns)
 
     def _partition_columns(self, groups) -> Dict[str, Any]:
+        selected = [(column, name) for column, name
+                    in enumerate(self.partitions.names) if name in self.columns]
+        if not selected:
+            return {}
         columns = {}
         files = numpy.asarray([self.row_group_locations[group][0]
                                for group in self.row_groups])[groups]
-        for column, name in enumerate(self.partitions.names):
-            if name not in self.columns:
-                continue
+        for column, name in selected:
             values = [self.partitions.values[file_index][column]
                       for file_index in range(len(self.files))]
             array = pyarrow.array(values, self.partitions.types[column])
