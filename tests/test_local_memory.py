@@ -352,7 +352,7 @@ def test_running_out_of_memory_is_a_local_failure_not_the_files(tmp_path):
     ''')
     stage = textwrap.dedent('''
         import errno, os, resource, sys
-        from chainer_prefetch.datasets import RowGroupFile
+        from chainer_prefetch.datasets import ParquetDataset, ParquetFileError, RowGroupFile
         from chainer_prefetch.staging import LocalDirectory, LocalMemory, LocalStorageError
         source = RowGroupFile(sys.argv[1], 0, ('id', 'blob'))
         directory = LocalDirectory(sys.argv[2])
@@ -368,6 +368,11 @@ def test_running_out_of_memory_is_a_local_failure_not_the_files(tmp_path):
                 assert source.name in str(error), error
                 print(type(where).__name__, 'ENOMEM')
             assert not os.listdir(directory.partial_root)
+        try:  # reading the row group from the file: the same, not the file's fault
+            ParquetDataset(sys.argv[1]).get_columns([0])
+        except MemoryError as error:
+            assert not isinstance(error, ParquetFileError), error
+            print('read MemoryError')
     ''')
     environment = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     outputs = []
@@ -377,7 +382,8 @@ def test_running_out_of_memory_is_a_local_failure_not_the_files(tmp_path):
                               env=environment)
         assert done.returncode == 0, done.stderr
         outputs.append(done.stdout)
-    assert outputs[1].split() == ['LocalMemory', 'ENOMEM', 'LocalDirectory', 'ENOMEM']
+    assert outputs[1].split() == ['LocalMemory', 'ENOMEM', 'LocalDirectory', 'ENOMEM',
+                                  'read', 'MemoryError']
 
 
 def test_a_dataset_mixing_row_groups_and_plain_files_reads_from_source(shop, tmp_path):

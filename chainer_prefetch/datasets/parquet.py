@@ -286,7 +286,9 @@ def _native_sink(out):
         out.seek(0, os.SEEK_END)
 
 
-#: What PyArrow raises for a file it cannot read or decode.
+#: What PyArrow raises for a file it cannot read or decode.  Its
+#: ``ArrowMemoryError`` is one of them (an ``ArrowException``) and a
+#: ``MemoryError``: where these are caught, a ``MemoryError`` goes on as it is.
 READ_ERRORS = (OSError, pyarrow.ArrowException, ValueError)
 
 #: Bytes of a row group decoded at a time when it is staged (see
@@ -314,6 +316,8 @@ def read_row_group(path: str, row_group: int, columns: Sequence[str],
     try:
         with parquet_file:
             return parquet_file.read_row_group(row_group, columns=list(columns))
+    except MemoryError:  # (Arrow's too) not the file's fault
+        raise
     except READ_ERRORS as error:
         raise _row_group_error(row_group, path, error) from error
 
@@ -347,6 +351,8 @@ def open_parquet_file(path: str, row_group: int, columns: Sequence[str],
             mapped, _ = _map_column_chunks(path, chunks)
         return pyarrow.parquet.ParquetFile(mapped, metadata=metadata,
                                            pre_buffer=False)
+    except MemoryError:  # (Arrow's too) not the file's fault
+        raise
     except READ_ERRORS as error:
         raise _row_group_error(row_group, path, error) from error
 
@@ -1067,6 +1073,8 @@ def _as_python(column: pyarrow.Array, row: int):
 def _read_metadata(path: str):
     try:
         return pyarrow.parquet.read_metadata(path)
+    except MemoryError:  # (Arrow's too) not the file's fault
+        raise
     except READ_ERRORS as error:
         raise ParquetFileError('{} is not a readable Parquet file: {}'.format(
             path, error)) from error

@@ -345,8 +345,10 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         reason = self._store.disabled if self._store is not None else None
         if reason is not None and not self._warned_local_storage:
             self._warned_local_storage = True
-            warnings.warn('Copying to the local directory stopped ({}); '
-                          'reading the rest from shared storage.'.format(reason))
+            where = ('memory' if self.settings.local_dir == MEMORY
+                     else 'the local directory')
+            warnings.warn('Copying to {} stopped ({}); reading the rest from '
+                          'shared storage.'.format(where, reason))
 
     @property
     def stats(self):
