@@ -244,7 +244,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         if item_of is not None:
             item_of = numpy.asarray(item_of, dtype=numpy.int64)
         if settings.local_dir == MEMORY:
-            _check_memory_forms(files, len(settings.dataset))
+            _check_memory_forms(_first_sources(files, len(settings.dataset)))
         try:
             directory = (LocalMemory(self._stop_event)
                          if settings.local_dir == MEMORY
@@ -270,11 +270,11 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         Such sources (Parquet row groups) need no slow start of the copy
         window; a dataset is taken to be made of one kind of example.
         """
-        if self._files is None or len(self.settings.dataset) == 0:
+        if self._files is None:
             return False
-        files = self._files.files(0)
-        return bool(files) and all(as_source(named).copied_one_at_a_time
-                                   for named in files)
+        sources = _first_sources(self._files, len(self.settings.dataset))
+        return bool(sources) and all(source.copied_one_at_a_time
+                                     for source in sources)
 
     def _start_pipeline(self):
         settings = self.settings
@@ -543,18 +543,23 @@ _EPOCH_COUNTS = ('examples_from_local', 'examples_from_source',
                  'examples_from_cache', 'bytes_from_source', 'bytes_copied')
 
 
-def _check_memory_forms(files, n_examples: int):
-    """Raises ``ValueError`` unless the dataset's sources can be kept in memory.
-
-    The first example's files stand for all, as in ``_copied_in_order``.
+def _first_sources(files, n_examples: int):
+    """The sources of example 0, which stand for every example's kind.
 
     Args:
         files: The dataset's files.
-        n_examples: The dataset's length.
+        n_examples: The dataset's length (none: no sources).
     """
-    named = files.files(0) if n_examples else ()
-    unfit = [source for source in map(as_source, named)
-             if not source.has_memory_form]
+    return [as_source(named) for named in files.files(0)] if n_examples else []
+
+
+def _check_memory_forms(sources):
+    """Raises ``ValueError`` unless the sources can be kept in memory.
+
+    Args:
+        sources: Example 0's sources (:func:`_first_sources`).
+    """
+    unfit = [source for source in sources if not source.has_memory_form]
     if unfit:
         raise ValueError(
             "local_dir={!r} keeps Parquet row groups (ParquetDataset) in "

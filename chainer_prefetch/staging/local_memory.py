@@ -217,22 +217,20 @@ class LocalMemory:
         if origin_stat is None:
             origin_stat = source.stat_origin()
         with self._changed:
+            self._check_open(source)
             while source.name in self._making:  # another thread makes it
-                self._check_open(source)
                 if self._stop_event.is_set():
                     raise InterruptedError('stopped while waiting for another '
                                            'copy of {}'.format(source))
                 self._changed.wait(_WAIT_SECONDS)
-            self._check_open(source)
+                self._check_open(source)
             if self._is_current(source.name, origin_stat):
                 return 0
             self._making.add(source.name)
         try:
             value, n_bytes = source.make_in_memory(origin_stat)
-            with self._changed:
-                self._check_open(source)
             if before_rename is not None:
-                before_rename(n_bytes)
+                before_rename(n_bytes)  # (a closed ledger counts nothing)
             with self._changed:
                 self._check_open(source)
                 self._forms[source.name] = _Form(value, n_bytes,
