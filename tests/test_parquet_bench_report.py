@@ -171,3 +171,15 @@ def test_the_in_process_reference_loader_reads_every_row_once_per_epoch(tmp_path
     ids = numpy.concatenate(ids)
     assert sorted(ids[:250]) == sorted(ids[250:]) == list(range(250))
     assert list(ids[:250]) != list(ids[250:])  # a new order each epoch
+
+
+def test_growth_factors_are_parsed_and_the_longest_runs_are_drawn(tmp_path):
+    assert bench.parse_args(['--growth', '10,30']).growth == [10, 30]
+    assert bench.parse_args(['--growth', '0']).growth == []
+    runs = [dict(_run('ours-memory', 1, 30.0), rows=rows,
+                 memory_trace=[[0.2, 100.0], [0.4, 120.0]],
+                 local_trace=[[0.2, 0.0], [0.4, 0.0]])
+            for rows in (100000, 1000000)]
+    path = str(tmp_path / 'memory_growth.png')
+    bench.plot_growth({'growth_runs': runs, 'local_dir_in_memory': True}, path)
+    assert os.path.getsize(path) > 0

@@ -151,7 +151,7 @@ def test_row_groups_staged_in_pieces_give_the_rows_of_the_parquet_files(
     dataset = ParquetDataset(shop, columns=['id', 'title', 'image', 'price',
                                             'tokens'])
     expected = _iterate(dataset, False, 17)  # read from the Parquet files
-    decoded = max(group.estimated_local_bytes(None) - 4096  # footer's sizes
+    decoded = max(group.decoded_bytes()
                   for group in map(dataset._row_group_file,
                                    range(len(dataset.row_group_sizes))))
     monkeypatch.setattr(parquet_module, 'DECODE_BYTES',  # 4 record batches

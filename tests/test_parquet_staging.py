@@ -91,7 +91,7 @@ def test_a_corrupt_source_is_named_and_leaves_nothing(shop, tmp_path):
 
 
 def _decode_three_rows_at_a_time(monkeypatch, derived):
-    decoded = derived.estimated_local_bytes(None) - 4096  # footer's sizes
+    decoded = derived.decoded_bytes()
     monkeypatch.setattr(parquet_module, 'DECODE_BYTES',
                         3 * decoded // ROW_GROUP_ROWS + 1)
 

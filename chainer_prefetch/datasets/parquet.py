@@ -121,10 +121,22 @@ class RowGroupFile(DerivedFile):
             metadata = self._metadata = _read_metadata(self.origin)
         return _selected_chunks(metadata, self.row_group, self.columns)
 
-    def estimated_local_bytes(self, origin_stat) -> int:
-        """The columns' uncompressed size in the footer (plus room for the IPC framing)."""
+    def decoded_bytes(self) -> int:
+        """The selected columns' uncompressed size, as the footer gives it."""
         _, chunks = self._column_chunks()
-        return sum(chunk.total_uncompressed_size for chunk in chunks) + 4096
+        return sum(chunk.total_uncompressed_size for chunk in chunks)
+
+    def estimated_local_bytes(self, origin_stat) -> int:
+        """:meth:`decoded_bytes` plus :data:`DECODED_MARGIN` of it and room for the IPC framing.
+
+        Arrow takes a little more than the footer's uncompressed size
+        (dictionary-encoded strings come out whole; 0.11% more in the
+        benchmark's row groups): with the margin, ``local_capacity`` of N
+        times this estimate holds N such row groups.  A form larger still
+        is counted at its real size when it is made.
+        """
+        decoded = self.decoded_bytes()
+        return decoded + int(decoded * DECODED_MARGIN) + 4096
 
     def source_bytes(self, origin_stat) -> int:
         """The columns' compressed size: what reading the row group transfers."""
@@ -195,20 +207,21 @@ class RowGroupFile(DerivedFile):
                     writer.write_batch(piece)
 
     def memory_form(self, content: pyarrow.parquet.ParquetFile
-                    ) -> Tuple[pyarrow.Table, int]:
+                    ) -> Tuple['DecodedRowGroup', int]:
         """Decodes the row group into a table of pieces, kept in memory.
 
         The pieces are those :meth:`write_local_form` writes; the table is
         what a loader thread reads instead of the IPC file
         (``local_dir=':memory:'``), without writing each row group to a
         local file (which took more CPU than decoding it, on the
-        benchmark's machine).
+        benchmark's machine).  It comes as a :class:`DecodedRowGroup`,
+        which every loader thread shares, with the columns it prepares.
 
         Args:
             content: The opened Parquet file (:meth:`load_from_origin`).
 
         Returns:
-            The table and the bytes of its buffers.
+            The decoded row group and the bytes of its table's buffers.
 
         Raises:
             SourceFileError: a piece of the row group cannot be decoded.
@@ -216,7 +229,7 @@ class RowGroupFile(DerivedFile):
         with content:
             schema, pieces = self._pieces(content)
             table = pyarrow.Table.from_batches(list(pieces), schema)
-        return table, table.get_total_buffer_size()
+        return DecodedRowGroup(table), table.get_total_buffer_size()
 
     def _pieces(self, content: pyarrow.parquet.ParquetFile
                 ) -> Tuple[pyarrow.Schema, Iterator[pyarrow.RecordBatch]]:
@@ -232,10 +245,9 @@ class RowGroupFile(DerivedFile):
 
     def piece_rows(self) -> int:
         """Rows decoded at a time: about :data:`DECODE_BYTES` of the columns' decoded size."""
-        group, chunks = self._column_chunks()
-        decoded = sum(chunk.total_uncompressed_size for chunk in chunks)
-        return max(1, min(group.num_rows,
-                          DECODE_BYTES * group.num_rows // max(1, decoded)))
+        group, _ = self._column_chunks()
+        return max(1, min(group.num_rows, DECODE_BYTES * group.num_rows
+                          // max(1, self.decoded_bytes())))
 
     def _decoded(self, pieces: Iterator[pyarrow.RecordBatch]
                  ) -> Iterator[pyarrow.RecordBatch]:
@@ -296,6 +308,10 @@ READ_ERRORS = (OSError, pyarrow.ArrowException, ValueError)
 #: sizes: about 950 rows in the benchmark (pieces of 1,024 rows, 9 MB, were
 #: as fast as 256 and 2,048 rows, and 4,096 rows slower).
 DECODE_BYTES = 8 << 20
+
+#: Share of a row group's uncompressed size added to its estimated local
+#: bytes (see :meth:`RowGroupFile.estimated_local_bytes`).
+DECODED_MARGIN = 0.01
 
 
 def read_row_group(path: str, row_group: int, columns: Sequence[str],
@@ -655,7 +671,7 @@ class ParquetDataset(DatasetMixin):
         sizes = [self._metadata[file_index].row_group(group).num_rows
                  for file_index, group in self.row_group_locations]
         self._set_row_groups(list(range(len(sizes))), sizes, sizes)
-        self._locate: Optional[Callable[[RowGroupFile], Union[str, pyarrow.Table]]] = None
+        self._locate: Optional[Callable[[RowGroupFile], Union[str, 'DecodedRowGroup']]] = None
         self._caches = threading.local()
 
     def _set_row_groups(self, groups: List[int], sizes: Sequence[int],
@@ -866,12 +882,13 @@ class ParquetDataset(DatasetMixin):
         return numpy.repeat(numpy.arange(len(self.row_group_sizes)),
                             self.row_group_sizes)
 
-    def with_file_locations(self, locate: Callable[[RowGroupFile], Union[str, pyarrow.Table]]
+    def with_file_locations(self, locate: Callable[[RowGroupFile], Union[str, 'DecodedRowGroup']]
                             ) -> 'ParquetDataset':
         """A view that reads each row group from ``locate(row_group_file)``.
 
         ``locate`` gives the local IPC file's path, or, when the local forms
-        are kept in memory (``local_dir=':memory:'``), the decoded table.
+        are kept in memory (``local_dir=':memory:'``), the
+        :class:`DecodedRowGroup`.
         A local form that has gone (evicted by another process, or from
         memory) raises ``FileNotFoundError`` naming it; the iterator's loader
         then reads the row from the Parquet file and counts it as read from
@@ -899,14 +916,22 @@ class ParquetDataset(DatasetMixin):
             self._row_group_files[group] = derived
         return derived
 
-    def _row_group_entry(self, group: int) -> '_CachedRowGroup':
+    def _row_group_entry(self, group: int) -> 'DecodedRowGroup':
         """Row group ``group`` from this thread's cache (read on a miss).
 
         Each thread keeps its own ``cache_row_groups`` row groups, as each
         process does: loader threads working on different row groups do not
         evict each other's.  (Without staging, each loader thread therefore
         decodes the row groups it reads itself, as loader processes do.)
+        A row group kept in memory by the local store
+        (``local_dir=':memory:'``) is not cached here: every thread reads
+        the store's, so that one evicted there is let go as soon as the
+        loads reading it end.
         """
+        if self._locate is not None:
+            local = self._locate(self._row_group_file(group))
+            if isinstance(local, DecodedRowGroup):
+                return local
         cache = getattr(self._caches, 'row_groups', None)
         if cache is None:
             cache = self._caches.row_groups = collections.OrderedDict()
@@ -914,7 +939,7 @@ class ParquetDataset(DatasetMixin):
         if cached is not None:
             cache.move_to_end(group)
             return cached
-        cached = _CachedRowGroup(self._read_row_group(group), self.file_schema)
+        cached = DecodedRowGroup(self._read_row_group(group), self.file_schema)
         cache[group] = cached
         while len(cache) > self.cache_row_groups:
             cache.popitem(last=False)
@@ -922,8 +947,7 @@ class ParquetDataset(DatasetMixin):
 
     def _read_row_group(self, group: int) -> pyarrow.Table:
         if self._locate is not None:
-            local = self._locate(self._row_group_file(group))
-            return local if isinstance(local, pyarrow.Table) else _read_ipc(local)
+            return _read_ipc(self._locate(self._row_group_file(group)))
         file_index, group_in_file = self.row_group_locations[self.row_groups[group]]
         return read_row_group(self.files[file_index], group_in_file,
                               self._file_columns, self._metadata[file_index])
@@ -965,12 +989,21 @@ def _groups_of(ends: numpy.ndarray, indices: numpy.ndarray) -> numpy.ndarray:
     return numpy.searchsorted(ends, indices, side='right')
 
 
-class _CachedRowGroup:
-    """A row group's table, with the per-row converters and the columns made on first use."""
+class DecodedRowGroup:
+    """A row group's table, with the per-row converters and the columns made on first use.
 
-    def __init__(self, table: pyarrow.Table, schema: pyarrow.Schema):
+    Shared by threads: what each makes on first use is the same, so a race
+    only makes it twice.
+
+    Args:
+        table: The row group's rows.
+        schema: The fields of its columns (default: the table's).
+    """
+
+    def __init__(self, table: pyarrow.Table,
+                 schema: Optional[pyarrow.Schema] = None):
         self.table = table
-        self._schema = schema
+        self._schema = table.schema if schema is None else schema
         self._row_columns = {}
         self._stored = None
 

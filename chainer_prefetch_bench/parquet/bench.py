@@ -69,9 +69,11 @@ the bytes in ours' local directory (``peak_local_mb``: memory too when the
 directory is on tmpfs).  The page cache of the dataset is dropped before
 each run.  ``cpu_s`` is the CPU time (user and system) of the run's
 threads and processes, from the start of its clock to the end of its
-teardown.  ``--growth K`` adds runs of ``--growth-methods`` (default
-``ours-local``) reading K times the rows, to show that their memory stays
-flat.
+teardown.  ``--growth K`` (or several, ``--growth 10,30``) adds runs of
+``--growth-methods`` (default ``ours-local``) reading 1 and K times the
+rows, to show that their memory stays flat; ``memory_growth.png`` draws
+the memory of each of the longest over its run (PSS, plus the local
+directory when it is on a tmpfs).
 
 Coverage (the blog's Tables 4 and 5) is measured by running the loaders on
 the ``id`` column for several epochs' worth of batches: the share of distinct
@@ -683,6 +685,33 @@ def plot(report: Dict, path: str) -> None:
     plt.close(figure)
 
 
+def plot_growth(report: Dict, path: str) -> None:
+    """Memory over the run of the growth runs that read the most rows."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    import numpy
+    runs = report['growth_runs']
+    most = max(run['rows'] for run in runs)
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for run in (run for run in runs if run['rows'] == most):
+        seconds, pss = numpy.asarray(run['memory_trace'], dtype=float).reshape(-1, 2).T
+        total = pss.copy()
+        local = numpy.asarray(run.get('local_trace') or [[0, 0]], dtype=float)
+        if report.get('local_dir_in_memory'):
+            total += numpy.interp(seconds, local[:, 0], local[:, 1]) * 2**20 / 1e6
+        name = label(run) + (' (PSS + tmpfs)' if total.max() > pss.max() else ' (PSS)')
+        axes.plot(seconds, total, label=name)
+    axes.set(xlabel='seconds since the run started ({:,} rows read in each)'.format(most),
+             ylabel='MB', title='Memory over a run, {} workers'.format(runs[0]['workers']))
+    axes.set_ylim(bottom=0)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def _tmpfs_mb(report: Dict, run: Dict) -> float:
     """The local directory's peak bytes when it lives in memory (tmpfs)."""
     return run.get('peak_local_mb', 0) if report.get('local_dir_in_memory') else 0
@@ -709,9 +738,10 @@ def parse_args(argv):
                         help='timed batches of 100 per run')
     parser.add_argument('--repeats', type=int, default=3,
                         help='runs of every configuration (medians reported)')
-    parser.add_argument('--growth', type=int, default=10,
+    parser.add_argument('--growth', default='10',
                         help='also run --growth-methods at the most workers '
-                        'reading this many times the rows (0: not)')
+                        'reading once and this many times the rows (several: '
+                        '10,30; 0: not)')
     parser.add_argument('--growth-methods', default='ours-local',
                         help='the methods of the growth runs (ours only)')
     parser.add_argument('--local-row-groups', type=int, default=0,
@@ -752,11 +782,13 @@ def parse_args(argv):
         args.rows, args.files, args.row_group_mb = 8000, 4, 4.0
         args.image_size, args.batches, args.workers = 64, 20, '1,2'
         args.coverage_epochs, args.coverage_rows = 2, 8000
-        args.coverage_files, args.repeats, args.growth = 40, 1, 3
+        args.coverage_files, args.repeats, args.growth = 40, 1, '3'
     args.workers = [int(w) for w in args.workers.split(',')]
     args.windows = [int(w) for w in str(args.window).split(',')]
     args.window = max(args.windows)  # growth and coverage runs
     args.methods = args.methods.split(',')
+    args.growth = [int(factor) for factor in str(args.growth).split(',')
+                   if int(factor) > 0]
     args.growth_methods = args.growth_methods.split(',')
     if not all(method.startswith('ours') and method in METHODS
                for method in args.growth_methods):
@@ -830,7 +862,7 @@ def main(argv=None) -> int:
                               label(result).ljust(LABEL_WIDTH), **result),
                           flush=True)
     for method in args.growth_methods if args.growth else ():
-        for factor in (1, args.growth):
+        for factor in [1] + args.growth:
             result = _measure(config_for(method, max(args.workers),
                                          args.batches * factor, dataset_dir),
                               dataset_dir, local_dir, args.run_timeout * factor)
@@ -904,11 +936,16 @@ def _measure(config, dataset_dir, local_dir, timeout, petastorm_python=None):
     python = (petastorm_python if config['method'].startswith('petastorm')
               else None)
     peak = [0]
+    trace = []  # [seconds, MB] of the local directory
+    started = time.monotonic()
     done = threading.Event()
 
     def sample():  # the local directory's bytes (memory, on a tmpfs)
         while not done.wait(0.2):
-            peak[0] = max(peak[0], _bytes_under(local_dir))
+            local = _bytes_under(local_dir)
+            peak[0] = max(peak[0], local)
+            trace.append([round(time.monotonic() - started, 2),
+                          round(local / 2**20, 1)])
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -920,6 +957,7 @@ def _measure(config, dataset_dir, local_dir, timeout, petastorm_python=None):
         done.set()
         sampler.join()
     result['peak_local_mb'] = round(peak[0] / 2**20, 1)
+    result['local_trace'] = trace
     shutil.rmtree(local_dir, ignore_errors=True)
     return result
 
@@ -1052,6 +1090,8 @@ def _write_report(report: Dict, out: str) -> None:
     with open(os.path.join(out, 'table.txt'), 'w') as f:
         f.write(text + '\n')
     plot(report, os.path.join(out, 'throughput_memory.png'))
+    if report.get('growth_runs'):
+        plot_growth(report, os.path.join(out, 'memory_growth.png'))
 
 
 if __name__ == '__main__':

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Callable, Dict, Optional, Sequence
 
 MEMORY_POLL_SECONDS = 0.2
@@ -38,7 +39,9 @@ def run_in_child(module: str, config: Dict, timeout: float,
             environment's, for a peer whose dependencies conflict with ours.
         sample_memory: Also sample the summed RSS and PSS of the child and
             all its descendants every :data:`MEMORY_POLL_SECONDS` and add the
-            peaks as ``peak_rss_mb`` and ``peak_pss_mb`` (needs psutil).
+            peaks as ``peak_rss_mb`` and ``peak_pss_mb`` (needs psutil),
+            and every sample as ``memory_trace``: ``[seconds since the
+            child started, PSS MB]`` pairs.
         environment: Variables to set in the child's environment (on top
             of this process's).
 
@@ -53,7 +56,9 @@ def run_in_child(module: str, config: Dict, timeout: float,
         [python or sys.executable, '-m', module, '_run', json.dumps(config)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True, env=dict(os.environ, **(environment or {})))
+    started = time.monotonic()
     peak = {'rss': 0, 'pss': 0}
+    trace = []
     done = threading.Event()
 
     def sample():
@@ -61,6 +66,8 @@ def run_in_child(module: str, config: Dict, timeout: float,
             memory = tree_memory(child.pid)
             for key in peak:
                 peak[key] = max(peak[key], memory[key])
+            trace.append([round(time.monotonic() - started, 2),
+                          round(memory['pss'] / 1e6, 1)])
 
     sampler = threading.Thread(target=sample, daemon=True)
     if sample_memory:
@@ -90,6 +97,7 @@ def run_in_child(module: str, config: Dict, timeout: float,
     if sample_memory:
         result['peak_rss_mb'] = round(peak['rss'] / 1e6, 1)
         result['peak_pss_mb'] = round(peak['pss'] / 1e6, 1)
+        result['memory_trace'] = trace
     return result
 
 
