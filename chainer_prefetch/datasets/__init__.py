@@ -4,6 +4,7 @@ from chainer_prefetch._extras import require_extra
 require_extra('parquet', 'chainer_prefetch.datasets', ['pyarrow'])
 
 from chainer_prefetch.datasets.parquet import (  # noqa: E402
+    DecodedRowGroup,
     ParquetColumnError,
     ParquetDataset,
     ParquetFileError,
@@ -22,7 +23,7 @@ from chainer_prefetch.datasets.split import (  # noqa: E402
     scatter_row_groups,
 )
 
-__all__ = ['ParquetColumnError', 'ParquetDataset', 'ParquetFileError',
+__all__ = ['DecodedRowGroup', 'ParquetColumnError', 'ParquetDataset', 'ParquetFileError',
            'ParquetSchemaError', 'Partitions', 'RowGroupFile', 'RowGroupWindowOrderSampler',
            'assign_row_groups', 'find_parquet_files', 'read_row_group',
            'row_groups_per_batch', 'scatter_row_groups']

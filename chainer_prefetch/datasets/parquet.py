@@ -14,7 +14,8 @@ Rows are numbered file after file (files in sorted path order), row group
 after row group.  Only the footers are read up front (length, schema, row
 groups); rows are read a row group at a time when an example needs them, and
 each process (each loader thread) keeps at most ``cache_row_groups`` row
-groups.
+groups (none of those the iterator keeps in memory, ``local_dir=':memory:'``,
+which its loader threads share).
 
 **Staged through** :class:`~chainer_prefetch.PrefetchMultiprocessIterator`,
 example ``i`` names one *derived file* (see
@@ -88,7 +89,7 @@ class RowGroupFile(DerivedFile):
     """One row group of one Parquet file, with some columns, as an Arrow IPC file.
 
     Its virtual path is ``<file>.rg<index>.<columns digest>.arrow``.  With
-    ``local_dir=':memory:'`` its local form is the decoded table itself
+    ``local_dir=':memory:'`` its local form is the decoded row group itself
     (:meth:`memory_form`), kept in the training process.  Row
     groups are copied one at a time, in the order needed (see
     :attr:`~chainer_prefetch.staging.sources.Source.copied_one_at_a_time`).
@@ -215,7 +216,8 @@ class RowGroupFile(DerivedFile):
         (``local_dir=':memory:'``), without writing each row group to a
         local file (which took more CPU than decoding it, on the
         benchmark's machine).  It comes as a :class:`DecodedRowGroup`,
-        which every loader thread shares, with the columns it prepares.
+        which every loader thread shares, with the columns to cut batches
+        from prepared here.
 
         Args:
             content: The opened Parquet file (:meth:`load_from_origin`).
@@ -229,7 +231,9 @@ class RowGroupFile(DerivedFile):
         with content:
             schema, pieces = self._pieces(content)
             table = pyarrow.Table.from_batches(list(pieces), schema)
-        return DecodedRowGroup(table), table.get_total_buffer_size()
+        decoded = DecodedRowGroup(table)
+        decoded.columns(self.columns)  # here, once, not in every loader thread
+        return decoded, table.get_total_buffer_size()
 
     def _pieces(self, content: pyarrow.parquet.ParquetFile
                 ) -> Tuple[pyarrow.Schema, Iterator[pyarrow.RecordBatch]]:
@@ -599,7 +603,8 @@ class ParquetDataset(DatasetMixin):
             returned, in the loaders (decode image bytes, map a label
             to an index, augment).  Must be picklable for ``forkserver``.
         cache_row_groups: Decoded row groups each process (each thread)
-            keeps.  Reading
+            keeps (not counting those kept in memory by the iterator's
+            local store, ``local_dir=':memory:'``).  Reading
             directly from the Parquet files with the
             :class:`~chainer_prefetch.datasets.RowGroupWindowOrderSampler`,
             use at least its ``window``: a smaller cache re-reads row groups.
@@ -917,7 +922,7 @@ class ParquetDataset(DatasetMixin):
         return derived
 
     def _row_group_entry(self, group: int) -> 'DecodedRowGroup':
-        """Row group ``group`` from this thread's cache (read on a miss).
+        """Row group ``group``: from this thread's cache, from the local store, or read.
 
         Each thread keeps its own ``cache_row_groups`` row groups, as each
         process does: loader threads working on different row groups do not
@@ -928,10 +933,6 @@ class ParquetDataset(DatasetMixin):
         the store's, so that one evicted there is let go as soon as the
         loads reading it end.
         """
-        if self._locate is not None:
-            local = self._locate(self._row_group_file(group))
-            if isinstance(local, DecodedRowGroup):
-                return local
         cache = getattr(self._caches, 'row_groups', None)
         if cache is None:
             cache = self._caches.row_groups = collections.OrderedDict()
@@ -939,18 +940,21 @@ class ParquetDataset(DatasetMixin):
         if cached is not None:
             cache.move_to_end(group)
             return cached
-        cached = DecodedRowGroup(self._read_row_group(group), self.file_schema)
+        if self._locate is not None:
+            local = self._locate(self._row_group_file(group))
+            if isinstance(local, DecodedRowGroup):
+                return local
+            table = _read_ipc(local)
+        else:
+            file_index, group_in_file = self.row_group_locations[
+                self.row_groups[group]]
+            table = read_row_group(self.files[file_index], group_in_file,
+                                   self._file_columns, self._metadata[file_index])
+        cached = DecodedRowGroup(table, self.file_schema)
         cache[group] = cached
         while len(cache) > self.cache_row_groups:
             cache.popitem(last=False)
         return cached
-
-    def _read_row_group(self, group: int) -> pyarrow.Table:
-        if self._locate is not None:
-            return _read_ipc(self._locate(self._row_group_file(group)))
-        file_index, group_in_file = self.row_group_locations[self.row_groups[group]]
-        return read_row_group(self.files[file_index], group_in_file,
-                              self._file_columns, self._metadata[file_index])
 
     def _clone(self) -> 'ParquetDataset':
         view = object.__new__(type(self))

@@ -691,14 +691,16 @@ def plot_growth(report: Dict, path: str) -> None:
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     import numpy
-    runs = report['growth_runs']
+    runs = [run for run in report['growth_runs'] if run.get('memory_trace')]
+    if not runs:
+        return
     most = max(run['rows'] for run in runs)
     figure, axes = plt.subplots(figsize=(8, 4.5))
     for run in (run for run in runs if run['rows'] == most):
         seconds, pss = numpy.asarray(run['memory_trace'], dtype=float).reshape(-1, 2).T
         total = pss.copy()
         local = numpy.asarray(run.get('local_trace') or [[0, 0]], dtype=float)
-        if report.get('local_dir_in_memory'):
+        if _tmpfs_mb(report, run):
             total += numpy.interp(seconds, local[:, 0], local[:, 1]) * 2**20 / 1e6
         name = label(run) + (' (PSS + tmpfs)' if total.max() > pss.max() else ' (PSS)')
         axes.plot(seconds, total, label=name)
@@ -855,6 +857,7 @@ def main(argv=None) -> int:
                                       dataset_dir, local_dir, args.run_timeout,
                                       petastorm_python)
                     result['repeat'] = repeat
+                    del result['memory_trace'], result['local_trace']  # (growth runs keep theirs)
                     runs.append(result)
                     print('{} workers {workers}: {rows_per_s:8.0f} '
                           'rows/s, CPU {cpu_s:5.1f} s, peak PSS {peak_pss_mb:6.0f} '
@@ -862,7 +865,7 @@ def main(argv=None) -> int:
                               label(result).ljust(LABEL_WIDTH), **result),
                           flush=True)
     for method in args.growth_methods if args.growth else ():
-        for factor in [1] + args.growth:
+        for factor in sorted({1, *args.growth}):
             result = _measure(config_for(method, max(args.workers),
                                          args.batches * factor, dataset_dir),
                               dataset_dir, local_dir, args.run_timeout * factor)
