@@ -698,12 +698,13 @@ def plot_growth(report: Dict, path: str) -> None:
     figure, axes = plt.subplots(figsize=(8, 4.5))
     for run in (run for run in runs if run['rows'] == most):
         seconds, pss = numpy.asarray(run['memory_trace'], dtype=float).reshape(-1, 2).T
-        total = pss.copy()
-        local = numpy.asarray(run.get('local_trace') or [[0, 0]], dtype=float)
         if _tmpfs_mb(report, run):
-            total += numpy.interp(seconds, local[:, 0], local[:, 1]) * 2**20 / 1e6
-        name = label(run) + (' (PSS + tmpfs)' if total.max() > pss.max() else ' (PSS)')
-        axes.plot(seconds, total, label=name)
+            local = numpy.asarray(run['local_trace'], dtype=float)
+            pss = pss + numpy.interp(seconds, local[:, 0], local[:, 1]) * 2**20 / 1e6
+            name = label(run) + ' (PSS + tmpfs)'
+        else:
+            name = label(run) + ' (PSS)'
+        axes.plot(seconds, pss, label=name)
     axes.set(xlabel='seconds since the run started ({:,} rows read in each)'.format(most),
              ylabel='MB', title='Memory over a run, {} workers'.format(runs[0]['workers']))
     axes.set_ylim(bottom=0)
@@ -938,17 +939,14 @@ def _measure(config, dataset_dir, local_dir, timeout, petastorm_python=None):
     drop_page_cache(dataset_dir)
     python = (petastorm_python if config['method'].startswith('petastorm')
               else None)
-    peak = [0]
     trace = []  # [seconds, MB] of the local directory
     started = time.monotonic()
     done = threading.Event()
 
     def sample():  # the local directory's bytes (memory, on a tmpfs)
         while not done.wait(0.2):
-            local = _bytes_under(local_dir)
-            peak[0] = max(peak[0], local)
             trace.append([round(time.monotonic() - started, 2),
-                          round(local / 2**20, 1)])
+                          round(_bytes_under(local_dir) / 2**20, 1)])
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -959,7 +957,7 @@ def _measure(config, dataset_dir, local_dir, timeout, petastorm_python=None):
     finally:
         done.set()
         sampler.join()
-    result['peak_local_mb'] = round(peak[0] / 2**20, 1)
+    result['peak_local_mb'] = max((mb for _, mb in trace), default=0.0)
     result['local_trace'] = trace
     shutil.rmtree(local_dir, ignore_errors=True)
     return result
