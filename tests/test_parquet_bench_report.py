@@ -1,11 +1,12 @@
 """The Parquet benchmark's report: runs of ours at several windows stay apart."""
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from chainer_prefetch_bench.parquet import bench
+from chainer_prefetch_bench.parquet import bench, read_cost
 from chainer_prefetch_bench.testbed import processes
 
 
@@ -183,3 +184,28 @@ def test_growth_factors_are_parsed_and_the_longest_runs_are_drawn(tmp_path):
     path = str(tmp_path / 'memory_growth.png')
     bench.plot_growth({'growth_runs': runs, 'local_dir_in_memory': True}, path)
     assert os.path.getsize(path) > 0
+
+
+@pytest.mark.timeout(300)
+def test_the_read_cost_runs_both_ways_on_the_same_row_groups(tmp_path):
+    out = tmp_path / 'out'
+    assert read_cost.main([
+        '--workdir', str(tmp_path), '--rows', '600', '--files', '2',
+        '--row-group-mb', '0.5', '--image-size', '16', '--row-groups', '2',
+        '--repeats', '2', '--out', str(out)]) == 0
+    runs = json.loads((out / 'read_cost.json').read_text())['runs']
+    assert [run['way'] for run in runs] == ['read', 'populate'] * 2
+    assert {run['row_groups'] for run in runs} == {2}
+    table = (out / 'table.txt').read_text()
+    assert 'medians of 2 runs' in table and 'ratio' in table
+
+
+def test_the_read_cost_table_gives_medians_and_ratios():
+    runs = [{'way': way, 'seconds': seconds, 'user_s': 1.0, 'kernel_s': kernel}
+            for way, seconds, kernel in (('read', 2.0, 0.8), ('populate', 1.0, 0.2),
+                                         ('read', 4.0, 0.4), ('populate', 1.5, 0.1),
+                                         ('read', 3.0, 0.6), ('populate', 9.0, 0.3))]
+    lines = read_cost.format_table(runs).splitlines()
+    assert lines[1].split() == ['read', '3.000', '1.000', '0.600']
+    assert lines[2].split() == ['populate', '1.500', '1.000', '0.200']
+    assert lines[3].split() == ['ratio', '0.50x', '1.00x', '0.33x']

@@ -1,6 +1,8 @@
 """Tests of ParquetDataset on real Parquet files written by the generator."""
+import ctypes
 import errno
 import io
+import mmap
 import os
 import shutil
 import threading
@@ -254,6 +256,64 @@ def test_a_row_group_read_in_parallel_pieces_equals_arrows_own_read(
             arrows = pyarrow.parquet.ParquetFile(path).read_row_group(
                 group, columns=columns)
             assert ours.equals(arrows), (columns, group)
+
+
+def _cached_pages(path: str) -> np.ndarray:
+    """Which pages of ``path`` the page cache holds (``mincore``; the file is ours)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, 'rb') as f:
+        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+            pages = np.zeros(-(-len(mapped) // mmap.PAGESIZE), np.uint8)
+            address = pyarrow.py_buffer(mapped).address
+            assert libc.mincore(ctypes.c_void_p(address),
+                                ctypes.c_size_t(len(mapped)),
+                                ctypes.c_void_p(pages.ctypes.data)) == 0
+    return (pages & 1).astype(bool)
+
+
+def _drop_cached_pages(path: str):
+    with open(path, 'rb') as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if _cached_pages(path).any():
+        pytest.skip('the page cache of {} cannot be dropped here'.format(path))
+
+
+def test_column_chunks_are_faulted_into_the_mapping_not_copied(shop, monkeypatch):
+    monkeypatch.setattr(parquet_module, 'READ_PIECE_BYTES', 512)  # many pieces
+    path = os.path.join(shop, 'part-00001.parquet')
+    metadata = pyarrow.parquet.read_metadata(path)
+    columns = ['image', 'id']
+    _, chunks = parquet_module._selected_chunks(metadata, 1, columns)
+    ranges = parquet_module.chunk_ranges(chunks, os.path.getsize(path))
+    pieces = parquet_module.pieces_to_read(ranges)
+    assert len(pieces) > len(ranges) > 0
+    arrows = pyarrow.parquet.ParquetFile(path).read_row_group(1, columns=columns)
+    read_at = []
+    preadv = os.preadv
+
+    def counted_preadv(fd, buffers, offset, *flags):  # reads for real
+        read_at.append(offset)
+        return preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, 'preadv', counted_preadv)
+    _drop_cached_pages(path)
+    mapped, _ = parquet_module._map_column_chunks(path, chunks)
+    assert read_at == []  # nothing copied...
+    cached = _cached_pages(path)
+    for start, end in ranges:  # ... and every page of the chunks read
+        assert cached[start // mmap.PAGESIZE:-(-end // mmap.PAGESIZE)].all()
+    assert parquet_module.read_row_group(path, 1, columns, metadata,
+                                         mapped).equals(arrows)
+
+    # Where faulting fails (a kernel before 5.14), every piece is read.
+    monkeypatch.setattr(parquet_module, '_populate', lambda *args: False)
+    del mapped  # (its pages mapped could not be dropped)
+    _drop_cached_pages(path)
+    mapped, _ = parquet_module._map_column_chunks(path, chunks)
+    assert sorted(read_at) == [start for start, _ in pieces]
+    assert parquet_module.read_row_group(path, 1, columns, metadata,
+                                         mapped).equals(arrows)
 
 
 def test_only_the_selected_column_chunks_are_read(tmp_path, monkeypatch):

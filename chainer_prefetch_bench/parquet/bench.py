@@ -722,6 +722,29 @@ def _tmpfs_mb(report: Dict, run: Dict) -> float:
 
 # ---------------------------------------------------------------- main
 
+def add_dataset_arguments(parser: argparse.ArgumentParser, rows: int = 400000,
+                          files: int = 16) -> None:
+    """The options of the generated dataset (:func:`generated_dataset` reads them).
+
+    Args:
+        parser: The parser to add ``--workdir``, ``--rows``, ``--files``,
+            ``--row-group-mb`` and ``--image-size`` to.
+        rows: Default of ``--rows``.
+        files: Default of ``--files``.
+    """
+    parser.add_argument('--workdir', default='/tmp/bench_parquet')
+    parser.add_argument('--rows', type=int, default=rows)
+    parser.add_argument('--files', type=int, default=files)
+    parser.add_argument('--row-group-mb', type=float, default=120.0)
+    parser.add_argument('--image-size', type=int, default=96)
+
+
+def generated_dataset(args: argparse.Namespace) -> str:
+    """The dataset of :func:`add_dataset_arguments`' options: its folder (made if missing)."""
+    return _generated(args.workdir, args.rows, args.files, args.row_group_mb,
+                      args.image_size)
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description=__doc__.split('\n')[0],
@@ -729,14 +752,10 @@ def parse_args(argv):
     parser.add_argument('--quick', action='store_true',
                         help='tiny dataset, few batches, workers 1 and 2 '
                         '(under a minute)')
-    parser.add_argument('--workdir', default='/tmp/bench_parquet')
+    add_dataset_arguments(parser)
     parser.add_argument('--local-dir', default=None,
                         help='the local directory of ours (default: WORKDIR/local)')
     parser.add_argument('--out', default='results/parquet')
-    parser.add_argument('--rows', type=int, default=400000)
-    parser.add_argument('--files', type=int, default=16)
-    parser.add_argument('--row-group-mb', type=float, default=120.0)
-    parser.add_argument('--image-size', type=int, default=96)
     parser.add_argument('--batches', type=int, default=1000,
                         help='timed batches of 100 per run')
     parser.add_argument('--repeats', type=int, default=3,
@@ -818,8 +837,7 @@ def main(argv=None) -> int:
     petastorm_python = None
     if any(method.startswith('petastorm') for method in args.methods):
         petastorm_python = petastorm_env.ensure(args.petastorm_venv)
-    dataset_dir = _generated(args.workdir, args.rows, args.files,
-                             args.row_group_mb, args.image_size)
+    dataset_dir = generated_dataset(args)
     summary = _dataset_summary(dataset_dir)
     print('dataset: {rows:,} rows, {files} files, {row_groups} row groups of '
           '{row_group_rows} rows, {gb:.2f} GB'.format(**summary), flush=True)
