@@ -497,8 +497,11 @@ def _read_into_page_cache(fd: int, ranges: Sequence[Tuple[int, int]],
     100,000 rows of the benchmark, from a cold local disk, that is 0.61x
     and 0.76x the kernel time, and 0.88x and 0.98x the wall time, in two
     runs of ``chainer_prefetch_bench.parquet.read_cost`` (medians of 15);
-    the same wall time through the emulated storage.  Pages in the page
-    cache already are only mapped.
+    through the emulated storage, 9.1-9.4 s either way (a script, twice
+    each).  Pages in the page cache already are only mapped.  The pages
+    faulted in count in the process's RSS and PSS from then on (shared,
+    clean page cache: the kernel can drop them), not only once decoding
+    touches them: the row groups read ahead add their compressed size.
     Without a mapping, or where faulting fails, each thread reads its pieces
     into a small scratch buffer that it reuses.
 
