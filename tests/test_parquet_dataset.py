@@ -24,6 +24,7 @@ from chainer_prefetch.datasets import (
     RowGroupWindowOrderSampler,
 )
 from chainer_prefetch.datasets import parquet as parquet_module
+from chainer_prefetch_bench.testbed.page_cache import drop_file_cache
 
 ROWS, FILES, ROW_GROUP_ROWS = 90, 3, 10  # files of 30 rows: 10 + 10 + 10
 
@@ -260,7 +261,7 @@ def test_a_row_group_read_in_parallel_pieces_equals_arrows_own_read(
 
 def _cached_pages(path: str) -> np.ndarray:
     """Which pages of ``path`` the page cache holds (``mincore``; the file is ours)."""
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None)
     with open(path, 'rb') as f:
         with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
             pages = np.zeros(-(-len(mapped) // mmap.PAGESIZE), np.uint8)
@@ -273,8 +274,8 @@ def _cached_pages(path: str) -> np.ndarray:
 
 def _drop_cached_pages(path: str):
     with open(path, 'rb') as f:
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        os.fsync(f.fileno())  # (dirty pages are not dropped)
+    drop_file_cache(path)
     if _cached_pages(path).any():
         pytest.skip('the page cache of {} cannot be dropped here'.format(path))
 

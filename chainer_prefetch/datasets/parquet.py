@@ -574,7 +574,7 @@ def _populate(mapped: pyarrow.Buffer, start: int, end: int) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
+    return ctypes.CDLL(None)
 
 
 def map_in_threads(function: Callable[[Any], Any], items: Sequence[Any],
