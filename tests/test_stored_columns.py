@@ -31,6 +31,19 @@ def _table():
                                  pyarrow.large_string()),
         'tokens': pyarrow.array([list(range(i % 7)) for i in range(ROWS)],
                                 pyarrow.list_(pyarrow.int32())),
+        # short values of other widths, some of them empty
+        'code': pyarrow.array([bytes([i % 256]) * (i % 3) for i in range(ROWS)],
+                              pyarrow.binary()),
+        'note': pyarrow.array(['' if i % 4 == 0 else 'n{}'.format(i)
+                               for i in range(ROWS)]),
+        'levels': pyarrow.array([list(range(-(i % 5), 0)) for i in range(ROWS)],
+                                pyarrow.list_(pyarrow.int8())),
+        'weights': pyarrow.array([[0.5 * j for j in range(i % 3)]
+                                  for i in range(ROWS)],
+                                 pyarrow.list_(pyarrow.float64())),
+        'mask': pyarrow.array([[j % 2 == 0 for j in range(i % 4)]
+                               for i in range(ROWS)],
+                              pyarrow.list_(pyarrow.bool_())),
         'embedding': pyarrow.array(
             [rng.random(100).astype(np.float32) for _ in range(ROWS)],
             pyarrow.list_(pyarrow.float32())),
@@ -84,13 +97,16 @@ def test_rows_taken_equal_arrows_take_of_the_joined_table(rows_per_batch):
 def test_large_values_stay_in_the_table_and_small_ones_are_joined():
     table = _in_batches(_table(), 7)
     stored = StoredColumns(table, ['title', 'image', 'caption', 'tokens',
-                                   'embedding', 'maybe', 'id'])
+                                   'embedding', 'maybe', 'id', 'code', 'levels',
+                                   'weights', 'mask'])
     kinds = {name: type(column).__name__
              for name, column in stored._columns.items()}
     assert kinds == {'title': '_JoinedValues', 'image': '_ChunkedValues',
                      'caption': '_ChunkedValues', 'tokens': '_JoinedValues',
                      'embedding': '_ChunkedValues', 'maybe': '_ArrowColumn',
-                     'id': 'ndarray'}
+                     'id': 'ndarray', 'code': '_JoinedValues',
+                     'levels': '_JoinedValues', 'weights': '_JoinedValues',
+                     'mask': '_JoinedValues'}
     # A value taken from the table is a copy: the table can go.
     image = stored.take([3, 10]).get('image')
     start = image.values.ctypes.data

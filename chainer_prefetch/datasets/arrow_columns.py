@@ -161,8 +161,9 @@ class StoredColumns:
     ``take(rows)`` gives what ``columns_of_table(table.take(rows), names)``
     gives, without Arrow's ``take``: on a table of several record batches
     that joins each whole column first (11 ms for 100 rows of a 117 MB row
-    group of 18 batches, against 0.25 ms here).  Each value is copied once,
-    from the table's memory into the new column:
+    group of 18 batches, against 0.25 ms here).  Each value taken is copied
+    from the table's memory into the new column (short values through a
+    ``bytes`` slice first):
 
     * numbers, and variable-length columns of small values (under
       :data:`LARGE_VALUE_BYTES` a row on average), are joined into one
@@ -211,16 +212,17 @@ def _stored_column(column: pyarrow.ChunkedArray
 class _JoinedValues:
     """A variable-length column of small values, held as one ``bytes`` object.
 
-    Rows are joined from slices of it, holding the GIL throughout: 25 us for
-    100 titles of the benchmark, against 42 us through ``VarColumn.take``.
-    A NumPy gather (an index of every value) took 17 us alone, but NumPy
-    gives the GIL up for an index of more than a few hundred values and
-    then waits to take it back from the threads waiting for it (loader
-    threads, the pipeline thread): five hand-overs for every batch of the
-    benchmark, and fewer rows/s in the pipeline than either copy.
+    :meth:`take` joins the rows' slices of it into a new, writable
+    :class:`VarColumn` (offsets from 0), holding the GIL throughout: about
+    25 us for 100 titles of the benchmark, against about 45 us through
+    ``VarColumn.take``.  A NumPy gather (an index of every value) was
+    faster alone, but NumPy gives the GIL up for an index of more than a
+    few hundred values and then waits to take it back from the threads
+    waiting for it (loader threads, the pipeline thread): five hand-overs
+    for every batch of the benchmark, and fewer rows/s in the pipeline.
 
     Args:
-        column: The joined column.
+        column: The joined column (strings, bytes, or lists of numbers).
     """
 
     def __init__(self, column: VarColumn):
@@ -231,6 +233,7 @@ class _JoinedValues:
         self._kind = column.kind
 
     def take(self, rows: numpy.ndarray) -> VarColumn:
+        """The rows ``rows`` (an ``int64`` array, any order, repeats allowed)."""
         starts = self._offsets[rows]
         ends = self._offsets[rows + 1]
         data = self._bytes
