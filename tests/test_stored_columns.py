@@ -101,12 +101,12 @@ def test_large_values_stay_in_the_table_and_small_ones_are_joined():
                                    'weights', 'mask'])
     kinds = {name: type(column).__name__
              for name, column in stored._columns.items()}
-    assert kinds == {'title': '_JoinedValues', 'image': '_ChunkedValues',
-                     'caption': '_ChunkedValues', 'tokens': '_JoinedValues',
+    assert kinds == {'title': 'VarColumn', 'image': '_ChunkedValues',
+                     'caption': '_ChunkedValues', 'tokens': 'VarColumn',
                      'embedding': '_ChunkedValues', 'maybe': '_ArrowColumn',
-                     'id': 'ndarray', 'code': '_JoinedValues',
-                     'levels': '_JoinedValues', 'weights': '_JoinedValues',
-                     'mask': '_JoinedValues'}
+                     'id': 'ndarray', 'code': 'VarColumn',
+                     'levels': 'VarColumn', 'weights': 'VarColumn',
+                     'mask': 'VarColumn'}
     # A value taken from the table is a copy: the table can go.
     image = stored.take([3, 10]).get('image')
     start = image.values.ctypes.data
@@ -123,7 +123,7 @@ def test_the_threshold_between_large_and_small_values(monkeypatch):
     joined = StoredColumns(table, ['image'])
     monkeypatch.setattr(arrow_columns, 'LARGE_VALUE_BYTES', 1)
     kept = StoredColumns(table, ['title'])
-    assert type(joined._columns['image']).__name__ == '_JoinedValues'
+    assert type(joined._columns['image']).__name__ == 'VarColumn'
     assert type(kept._columns['title']).__name__ == '_ChunkedValues'
     rows = np.array([40, 2, 2, 33])
     expected = columns_of_table(_table().take(pyarrow.array(rows)),

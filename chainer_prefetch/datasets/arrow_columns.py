@@ -161,14 +161,13 @@ class StoredColumns:
     ``take(rows)`` gives what ``columns_of_table(table.take(rows), names)``
     gives, without Arrow's ``take``: on a table of several record batches
     that joins each whole column first (11 ms for 100 rows of a 117 MB row
-    group of 18 batches, against 0.25 ms here).  Each value taken is copied
-    from the table's memory into the new column (short values through a
-    ``bytes`` slice first):
+    group of 18 batches, against 0.25 ms here).  Each value is copied once,
+    from the table's memory into the new column:
 
     * numbers, and variable-length columns of small values (under
       :data:`LARGE_VALUE_BYTES` a row on average), are joined into one
       column per process when this is made (kilobytes a row group), and
-      rows are taken from it (small values as :class:`_JoinedValues`);
+      rows are taken from it;
     * variable-length columns of large values (images) stay in the table
       (for a memory-mapped file, the page cache): each row is copied from
       its record batch;
@@ -194,8 +193,7 @@ class StoredColumns:
 
 
 def _stored_column(column: pyarrow.ChunkedArray
-                   ) -> Union[numpy.ndarray, '_JoinedValues', '_ChunkedValues',
-                              '_ArrowColumn']:
+                   ) -> Union[Column, '_ChunkedValues', '_ArrowColumn']:
     chunks = [chunk.dictionary_decode() if pyarrow.types.is_dictionary(
         chunk.type) else chunk for chunk in column.chunks]
     kinds = {_kind_of(chunk) for chunk in chunks}
@@ -205,42 +203,8 @@ def _stored_column(column: pyarrow.ChunkedArray
     if kinds == {'number'}:
         return numpy.concatenate(parts)
     if sum(part.nbytes for part in parts) < LARGE_VALUE_BYTES * len(column):
-        return _JoinedValues(concatenate_var(parts))
+        return concatenate_var(parts)
     return _ChunkedValues(parts)
-
-
-class _JoinedValues:
-    """A variable-length column of small values, held as one ``bytes`` object.
-
-    :meth:`take` joins the rows' slices of it into a new, writable
-    :class:`VarColumn` (offsets from 0), holding the GIL throughout: about
-    25 us for 100 titles of the benchmark, against about 45 us through
-    ``VarColumn.take``.  A NumPy gather (an index of every value) was
-    faster alone, but NumPy gives the GIL up for an index of more than a
-    few hundred values and then waits to take it back from the threads
-    waiting for it (loader threads, the pipeline thread): five hand-overs
-    for every batch of the benchmark, and fewer rows/s in the pipeline.
-
-    Args:
-        column: The joined column (strings, bytes, or lists of numbers).
-    """
-
-    def __init__(self, column: VarColumn):
-        self._offsets = column.offsets
-        self._bytes = column.values.tobytes()
-        self._width = column.values.dtype.itemsize
-        self._dtype = column.values.dtype
-        self._kind = column.kind
-
-    def take(self, rows: numpy.ndarray) -> VarColumn:
-        """The rows ``rows`` (an ``int64`` array, any order, repeats allowed)."""
-        starts = self._offsets[rows]
-        ends = self._offsets[rows + 1]
-        data = self._bytes
-        joined = bytearray().join([data[start:end] for start, end in zip(
-            (starts * self._width).tolist(), (ends * self._width).tolist())])
-        return VarColumn(offsets_of(ends - starts),
-                         numpy.frombuffer(joined, self._dtype), self._kind)
 
 
 class _ChunkedValues:
