@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from chainer_prefetch_bench.parquet import bench, read_cost
+from chainer_prefetch_bench.parquet import bench, cpu_per_batch, read_cost
 from chainer_prefetch_bench.testbed import processes
 
 
@@ -209,3 +209,31 @@ def test_the_read_cost_table_gives_medians_and_ratios():
     assert lines[1].split() == ['read', '3.000', '1.000', '0.600']
     assert lines[2].split() == ['populate', '1.500', '1.000', '0.200']
     assert lines[3].split() == ['ratio', '0.50x', '1.00x', '0.33x']
+
+
+@pytest.mark.timeout(300)
+def test_the_cpu_per_batch_clocks_the_calls_of_each_method(tmp_path):
+    out = tmp_path / 'out'
+    assert cpu_per_batch.main([
+        '--workdir', str(tmp_path), '--rows', '600', '--files', '2',
+        '--row-group-mb', '0.5', '--image-size', '16', '--batches', '3',
+        '--workers', '1', '--repeats', '1', '--local-dir',
+        str(tmp_path / 'local'), '--out', str(out)]) == 0
+    runs = {run['method']: run for run in json.loads(
+        (out / 'cpu_per_batch.json').read_text())['runs']}
+    ours, reference = runs['ours-memory'], runs['arrow-threads']
+    # Ours cuts each batch with get_columns, which takes the rows; the
+    # reference takes them on the training thread, without a scheduler.
+    assert ours['calls']['get_columns'] >= 3
+    assert ours['calls']['take'] >= ours['calls']['get_columns']
+    assert ours['scheduler_steps_per_batch'] >= 2
+    assert 0 < ours['take_us'] <= ours['get_columns_us']
+    assert reference['calls']['take'] >= 3
+    assert reference['get_columns_us'] is None
+    assert reference['scheduler_us_per_batch'] is None
+    lines = (out / 'table.txt').read_text().splitlines()
+    assert 'medians of 1 runs' in lines[2]
+    assert lines[3].split()[:2] == ['ours-memory', '1']
+    reference_cells = lines[4].split()  # method, workers, rows/s, CPU, then the clocks
+    assert reference_cells[:2] == ['arrow-threads', '1']
+    assert reference_cells[4] == reference_cells[6] == '-'  # no get_columns, no scheduler
