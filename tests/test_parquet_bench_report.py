@@ -213,27 +213,41 @@ def test_the_read_cost_table_gives_medians_and_ratios():
 
 @pytest.mark.timeout(300)
 def test_the_cpu_per_batch_clocks_the_calls_of_each_method(tmp_path):
+    import statistics
     out = tmp_path / 'out'
     assert cpu_per_batch.main([
         '--workdir', str(tmp_path), '--rows', '600', '--files', '2',
         '--row-group-mb', '0.5', '--image-size', '16', '--batches', '3',
-        '--workers', '1', '--repeats', '1', '--local-dir',
+        '--workers', '1', '--repeats', '2', '--local-dir',
         str(tmp_path / 'local'), '--out', str(out)]) == 0
-    runs = {run['method']: run for run in json.loads(
-        (out / 'cpu_per_batch.json').read_text())['runs']}
-    ours, reference = runs['ours-memory'], runs['arrow-threads']
-    # Ours cuts each batch with get_columns, which takes the rows; the
-    # reference takes them on the training thread, without a scheduler.
-    assert ours['calls']['get_columns'] >= 3
-    assert ours['calls']['take'] >= ours['calls']['get_columns']
-    assert ours['scheduler_steps_per_batch'] >= 2
-    assert 0 < ours['take_us'] <= ours['get_columns_us']
-    assert reference['calls']['take'] >= 3
-    assert reference['get_columns_us'] is None
-    assert reference['scheduler_us_per_batch'] is None
+    runs = json.loads((out / 'cpu_per_batch.json').read_text())['runs']
+    assert [run['method'] for run in runs] == ['ours-memory', 'arrow-threads'] * 2
+    for ours in runs[0::2]:
+        # Ours cuts each batch on a loader thread (get_columns, which takes
+        # the rows), and steps its scheduler several times a batch.
+        assert ours['calls']['load_columns_with'] >= 3
+        assert ours['calls']['take'] >= ours['calls']['load_columns_with']
+        assert ours['calls']['scheduler'] >= 2 * 3
+        assert ours['calls']['memory_form'] >= 1  # a row group staged
+        assert 0 < ours['take_us'] <= ours['cut_us']
+        assert ours['scheduler_us'] > 0 and ours['pipeline_us'] > 0
+    for reference in runs[1::2]:  # takes on the training thread, nothing else
+        assert set(reference['calls']) == {'take'}
+        assert reference['calls']['take'] >= 3
+        assert reference['cut_us'] == reference['take_us'] > 0
+        assert reference['scheduler_us'] == reference['pipeline_us'] == 0
+    for run in runs:  # the process's CPU over the 3 batches
+        assert run['cpu_us'] == pytest.approx(1e6 * run['cpu_s'] / 3, abs=0.1)
     lines = (out / 'table.txt').read_text().splitlines()
-    assert 'medians of 1 runs' in lines[2]
-    assert lines[3].split()[:2] == ['ours-memory', '1']
-    reference_cells = lines[4].split()  # method, workers, rows/s, CPU, then the clocks
-    assert reference_cells[:2] == ['arrow-threads', '1']
-    assert reference_cells[4] == reference_cells[6] == '-'  # no get_columns, no scheduler
+    assert 'medians of 2 runs' in lines[2]
+    for line, mine in ((lines[3], runs[0::2]), (lines[4], runs[1::2])):
+        cells = line.split()
+        assert cells[:2] == [mine[0]['method'], '1']
+        assert cells[2:] == ['{:.0f}'.format(statistics.median(
+            run[field] for run in mine)) for field, _, _ in cpu_per_batch.COLUMNS]
+
+
+def test_the_cpu_per_batch_refuses_methods_with_loader_processes(capsys):
+    with pytest.raises(SystemExit):
+        cpu_per_batch.main(['--methods', 'ours-memory,ours-local'])
+    assert 'ours-local cannot be clocked' in capsys.readouterr().err

@@ -412,6 +412,40 @@ def _later_epochs_rows_per_s(rows: int, seconds: float, n_rows: int,
     return round((rows - n_rows) / (seconds - epoch_seconds[0]), 1)
 
 
+#: The columns every timed run reads: all but ``tokens``, because
+#: Petastorm's ``make_batch_reader`` cannot return variable-length lists.
+TIMED_COLUMNS = [name for name in parquet_dataset.SCHEMA.names if name != 'tokens']
+
+
+def run_config(method: str, workers: int, source: str, batches: int,
+               local_dir: str, sizes: List[int], window: int = 1,
+               arrow_memory: str = 'default', num_cached_parquet: int = 1,
+               copy_ahead: int = 0, local_row_groups: int = 0) -> Dict:
+    """The configuration of one timed run, as :func:`run_one` takes it.
+
+    Args:
+        method: One of :data:`METHODS`.
+        workers: Loader processes or threads.
+        source: The folder of Parquet files (or the emulated storage's mount).
+        batches: Batches of :data:`BATCH_SIZE` to time.
+        local_dir: Ours' local directory.
+        sizes: Rows of each row group (:func:`row_group_sizes`).
+        window: Row groups ours shuffles together.
+        arrow_memory: A setting of :data:`ARROW_MEMORY`.
+        num_cached_parquet: Files in each worker's cache (blog).
+        copy_ahead: Ours' ``n_copy_ahead`` in batches (0: the rows of the
+            largest row group).
+        local_row_groups: Ours' ``local_capacity`` in row groups (0: twice
+            the window and 2).
+    """
+    return {'method': method, 'workers': workers, 'source': source,
+            'arrow_memory': arrow_memory, 'columns': TIMED_COLUMNS,
+            'batches': batches, 'window': window,
+            'num_cached_parquet': num_cached_parquet, 'local_dir': local_dir,
+            'seed': 0, 'row_group_sizes': sizes, 'copy_ahead': copy_ahead,
+            'local_row_groups': local_row_groups}
+
+
 def run_one(config: Dict) -> Dict:
     """Runs one configuration in this process; returns its measurements.
 
@@ -848,22 +882,16 @@ def main(argv=None) -> int:
     mountpoint = os.path.join(args.workdir, 'mnt')
     local_dir = args.local_dir or os.path.join(args.workdir, 'local')
     os.makedirs(mountpoint, exist_ok=True)
-    # Petastorm's make_batch_reader cannot return variable-length lists
-    # ('tokens'): every method reads the other six columns.
-    columns = [name for name in parquet_dataset.SCHEMA.names
-               if name != 'tokens']
     runs, coverage_runs, growth_runs = [], [], []
-    sizes = _row_group_sizes(dataset_dir)
+    sizes = row_group_sizes(dataset_dir)
 
     def config_for(method, workers, batches, source, window=args.window,
                    arrow_memory=args.arrow_memory[0]):
-        return {'method': method, 'workers': workers, 'source': source,
-                'arrow_memory': arrow_memory,
-                'columns': columns, 'batches': batches, 'window': window,
-                'num_cached_parquet': args.num_cached_parquet,
-                'local_dir': local_dir, 'seed': 0, 'row_group_sizes': sizes,
-                'copy_ahead': args.copy_ahead,
-                'local_row_groups': args.local_row_groups}
+        return run_config(method, workers, source, batches, local_dir, sizes,
+                          window=window, arrow_memory=arrow_memory,
+                          num_cached_parquet=args.num_cached_parquet,
+                          copy_ahead=args.copy_ahead,
+                          local_row_groups=args.local_row_groups)
 
     with storage.mounted(dataset_dir, mountpoint, preset=args.preset):
         for repeat in range(args.repeats):
@@ -903,12 +931,12 @@ def main(argv=None) -> int:
                   'window': args.window, 'seed': 1,
                   'num_cached_parquet': args.num_cached_parquet,
                   'local_dir': local_dir,
-                  'row_group_sizes': _row_group_sizes(coverage_dir)}
+                  'row_group_sizes': row_group_sizes(coverage_dir)}
         result = _measure(config, coverage_dir, local_dir, args.run_timeout)
         coverage_runs.append(result)
         print('coverage {method}: {coverage_per_epoch}'.format(**result),
               flush=True)
-    bytes_per_row = _source_bytes_per_row(dataset_dir, columns)
+    bytes_per_row = _source_bytes_per_row(dataset_dir, TIMED_COLUMNS)
     bandwidth = storage.Params.from_preset(args.preset).bandwidth_mbps
     report = {'command': 'python -m {} {}'.format(__spec__.name, ' '.join(argv)),
               'machine': machine_description(),
@@ -1006,7 +1034,7 @@ def _bytes_under(directory: str) -> int:
     return total
 
 
-def _row_group_sizes(dataset_dir: str) -> List[int]:
+def row_group_sizes(dataset_dir: str) -> List[int]:
     """Rows of each row group, in the order ParquetDataset numbers rows."""
     from chainer_prefetch.datasets import ParquetDataset
     return [int(size) for size in

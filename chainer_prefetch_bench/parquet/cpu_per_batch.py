@@ -5,26 +5,35 @@ same dataset, columns and batches) each in a fresh child process, with the
 page cache of the dataset dropped before it, and clocks the calls that do
 each batch's work with the CPU clock of the thread that makes them
 (``time.thread_time``, so time spent waiting, for the GIL or for the
-disk, does not count):
+disk, does not count).  Per batch:
 
-* ``get_columns``: a batch cut out of a decoded row group
-  (``ParquetDataset.get_columns``, on ours' loader threads);
-* ``take``: the copy of the rows inside it (``StoredColumns.take``), which
-  ``arrow-threads`` calls on the training thread for each batch;
-* ``scheduler``: ours' bookkeeping (``Scheduler.step``, every event of the
-  pipeline), summed per batch.
+* ``cut``: cutting the batch out of a decoded row group: ours' loader
+  threads' ``load_columns_with`` (``ParquetDataset.get_columns`` and
+  the choice of local copies around it); ``arrow-threads``' takes on the
+  training thread;
+* ``take``: the copy of the rows inside it (``StoredColumns.take``);
+* ``scheduler``: ours' bookkeeping (``Scheduler.step``, every event);
+* ``pipeline``: the rest of ours' pipeline that runs Python per batch or
+  per row group: the executor's actions, the consumer's wait for a
+  delivered batch, and the copy threads' calls around Arrow's reading
+  and decoding (``RowGroupFile.read_ahead`` and ``memory_form``; Arrow's
+  own threads are not clocked);
+* ``rest``: the process's CPU (every thread, from the start of the
+  benchmark's clock to the end of its teardown) less the above: Arrow's
+  decoding, the training loop, starting and stopping.
 
-Each run also reports its rows/s and the CPU of the whole process (every
-thread and loader process, from the start of the benchmark's clock to the
-end of its teardown) per batch.  Methods and worker counts alternate
-within each repeat; the table gives medians::
+Per-batch figures divide by the batches consumed (calls for batches
+prefetched but not consumed count too, about 0.5% at 1,000 batches); each
+clock adds 1-2 us to its call.  Only methods whose loaders are threads of
+the training process can be clocked (the calls of loader processes happen
+elsewhere).  Methods and worker counts alternate within each repeat; the
+table gives medians::
 
     python -m chainer_prefetch_bench.parquet.cpu_per_batch --out results/parquet/cpu_per_batch
 """
 import argparse
 import collections
 import functools
-import os
 import shutil
 import statistics
 import sys
@@ -34,17 +43,33 @@ from typing import Dict, List
 
 from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
 from chainer_prefetch_bench.testbed.processes import answer_child, run_in_child
-from chainer_prefetch_bench.testbed.report import write_json
+from chainer_prefetch_bench.testbed.report import write_results
 
-#: What is clocked: label -> (module, class, method).
+#: What is clocked: label -> (module, class or None for a function, name).
 CLOCKED = {
-    'get_columns': ('chainer_prefetch.datasets.parquet', 'ParquetDataset',
-                    'get_columns'),
+    'load_columns_with': ('chainer_prefetch.iterators._columnar_worker', None,
+                          'load_columns_with'),
     'take': ('chainer_prefetch.datasets.arrow_columns', 'StoredColumns', 'take'),
     'scheduler': ('chainer_prefetch.iterators._scheduler', 'Scheduler', 'step'),
+    'executor': ('chainer_prefetch.iterators._executor', 'Executor', '_execute'),
+    'mailbox': ('chainer_prefetch.iterators._executor', 'Mailbox', 'get'),
+    'read_ahead': ('chainer_prefetch.datasets.parquet', 'RowGroupFile', 'read_ahead'),
+    'memory_form': ('chainer_prefetch.datasets.parquet', 'RowGroupFile',
+                    'memory_form'),
 }
-FIELDS = ('rows_per_s', 'cpu_ms_per_batch', 'get_columns_us', 'take_us',
-          'scheduler_us_per_batch')
+#: The labels that make up ``pipeline``.
+PIPELINE = ('executor', 'mailbox', 'read_ahead', 'memory_form')
+#: The benchmark's methods that load in the training process.
+IN_PROCESS_METHODS = ('ours-memory', 'ours-threads', 'ours-memory-shared',
+                      'ours-threads-shared', 'arrow-threads')
+#: The table's columns: (field, heading, format).
+COLUMNS = (('rows_per_s', 'rows/s', '{:.0f}'),
+           ('cpu_us', 'CPU us/b', '{:.0f}'),
+           ('cut_us', 'cut us/b', '{:.0f}'),
+           ('take_us', 'take us/b', '{:.0f}'),
+           ('scheduler_us', 'scheduler us/b', '{:.0f}'),
+           ('pipeline_us', 'pipeline us/b', '{:.0f}'),
+           ('rest_us', 'rest us/b', '{:.0f}'))
 
 
 class ThreadClocks:
@@ -59,7 +84,7 @@ class ThreadClocks:
         """Replaces ``owner.name`` with a version that adds its thread CPU to ``label``.
 
         Args:
-            owner: The class whose method is clocked.
+            owner: The class (or module) whose method (or function) is clocked.
             name: The method's name.
             label: Where its CPU seconds and calls are counted.
         """
@@ -90,47 +115,44 @@ def run_one(config: Dict) -> Dict:
     from chainer_prefetch_bench.parquet import bench
     clocks = ThreadClocks()
     for label, (module, owner, name) in CLOCKED.items():
-        clocks.clock(getattr(importlib.import_module(module), owner), name, label)
+        module = importlib.import_module(module)
+        clocks.clock(module if owner is None else getattr(module, owner),
+                     name, label)
     result = bench.run_one(config)
     batches = result['rows'] / bench.BATCH_SIZE
-
-    def per_call_us(label):
-        return (round(1e6 * clocks.seconds[label] / clocks.calls[label], 1)
-                if clocks.calls[label] else None)
-
+    us = {label: 1e6 * seconds / batches for label, seconds in clocks.seconds.items()}
+    ours = config['method'].startswith('ours')
+    cut = us.get('load_columns_with' if ours else 'take', 0.0)
+    pipeline = sum(us.get(label, 0.0) for label in PIPELINE)
+    cpu = 1e6 * result['cpu_s'] / batches
     return {'method': config['method'], 'workers': config['workers'],
             'rows_per_s': result['rows_per_s'], 'cpu_s': result['cpu_s'],
-            'cpu_ms_per_batch': round(1e3 * result['cpu_s'] / batches, 3),
-            'get_columns_us': per_call_us('get_columns'),
-            'take_us': per_call_us('take'),
-            'scheduler_us_per_batch': (round(
-                1e6 * clocks.seconds['scheduler'] / batches, 1)
-                if clocks.calls['scheduler'] else None),
-            'scheduler_steps_per_batch': round(
-                clocks.calls['scheduler'] / batches, 2),
+            'cpu_us': round(cpu, 1), 'cut_us': round(cut, 1),
+            'take_us': round(us.get('take', 0.0), 1),
+            'scheduler_us': round(us.get('scheduler', 0.0), 1),
+            'pipeline_us': round(pipeline, 1),
+            'rest_us': round(cpu - cut - us.get('scheduler', 0.0) - pipeline, 1),
+            'us_per_batch': {label: round(value, 1) for label, value in us.items()},
             'calls': dict(clocks.calls)}
 
 
 def format_table(runs: List[Dict]) -> str:
-    """Medians per method and worker count."""
+    """Medians per method and worker count, in the order the runs came.
+
+    Args:
+        runs: What :func:`run_one` returned, every repeat.
+    """
     keys = list(dict.fromkeys((run['method'], run['workers']) for run in runs))
-    lines = ['{:<14} {:>7} {:>9} {:>12} {:>14} {:>9} {:>16}   (medians of {} runs)'.format(
-        'method', 'workers', 'rows/s', 'CPU ms/batch', 'get_columns us',
-        'take us', 'scheduler us/b',
+    widths = [max(len(heading), 8) for _, heading, _ in COLUMNS]
+    lines = ['{:<14} {:>7} {}   (medians of {} runs)'.format(
+        'method', 'workers', ' '.join(heading.rjust(width) for (_, heading, _), width
+                                      in zip(COLUMNS, widths)),
         sum((run['method'], run['workers']) == keys[0] for run in runs))]
     for method, workers in keys:
         mine = [run for run in runs
                 if (run['method'], run['workers']) == (method, workers)]
-        medians = {}
-        for field in FIELDS:
-            values = [run[field] for run in mine if run[field] is not None]
-            medians[field] = statistics.median(values) if values else None
-        cells = ['{:9.0f}'.format(medians['rows_per_s']),
-                 '{:12.2f}'.format(medians['cpu_ms_per_batch'])] + [
-            '{:>{}}'.format('-' if medians[field] is None
-                            else '{:.0f}'.format(medians[field]), width)
-            for field, width in (('get_columns_us', 14), ('take_us', 9),
-                                 ('scheduler_us_per_batch', 16))]
+        cells = [form.format(statistics.median(run[field] for run in mine)).rjust(width)
+                 for (field, _, form), width in zip(COLUMNS, widths)]
         lines.append('{:<14} {:>7} {}'.format(method, workers, ' '.join(cells)))
     return '\n'.join(lines)
 
@@ -140,12 +162,11 @@ def main(argv=None) -> int:
     if answer_child(argv, run_one):
         return 0
     from chainer_prefetch_bench.parquet import bench
-    from chainer_prefetch_bench.testbed import parquet_dataset
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     bench.add_dataset_arguments(parser, rows=320000, files=8)
     parser.add_argument('--methods', default='ours-memory,arrow-threads',
-                        help='benchmark methods that run in the training '
-                        "process (ours' loader threads, arrow-threads)")
+                        help='benchmark methods that load in the training '
+                        'process: {}'.format(', '.join(IN_PROCESS_METHODS)))
     parser.add_argument('--workers', default='1,2')
     parser.add_argument('--batches', type=int, default=1000)
     parser.add_argument('--repeats', type=int, default=5)
@@ -153,35 +174,35 @@ def main(argv=None) -> int:
     parser.add_argument('--out', default=None,
                         help='folder for cpu_per_batch.json and table.txt')
     args = parser.parse_args(argv)
+    methods = args.methods.split(',')
+    elsewhere = [method for method in methods if method not in IN_PROCESS_METHODS]
+    if elsewhere:
+        parser.error('--methods: {} cannot be clocked (loader processes, or not '
+                     'a method); choose from {}'.format(
+                         ', '.join(elsewhere), ', '.join(IN_PROCESS_METHODS)))
     dataset = bench.generated_dataset(args)
-    columns = [name for name in parquet_dataset.SCHEMA.names if name != 'tokens']
-    sizes = bench._row_group_sizes(dataset)
+    sizes = bench.row_group_sizes(dataset)
     runs = []
     for _ in range(args.repeats):
         for workers in [int(count) for count in args.workers.split(',')]:
-            for method in args.methods.split(','):
+            for method in methods:
                 shutil.rmtree(args.local_dir, ignore_errors=True)
                 drop_page_cache(dataset)
-                run = run_in_child(__spec__.name, {
-                    'method': method, 'workers': workers, 'source': dataset,
-                    'columns': columns, 'batches': args.batches, 'window': 1,
-                    'num_cached_parquet': 1, 'local_dir': args.local_dir,
-                    'seed': 0, 'row_group_sizes': sizes, 'copy_ahead': 0,
-                    'local_row_groups': 0}, timeout=600)
+                run = run_in_child(__spec__.name, bench.run_config(
+                    method, workers, dataset, args.batches, args.local_dir,
+                    sizes), timeout=600)
                 runs.append(run)
                 print('{method:<14} {workers} workers: {rows_per_s:8.0f} rows/s, '
-                      'CPU {cpu_ms_per_batch:.2f} ms/batch, get_columns '
-                      '{get_columns_us} us, take {take_us} us, scheduler '
-                      '{scheduler_us_per_batch} us/batch'.format(**run),
+                      'CPU {cpu_us:.0f} us a batch: cut {cut_us:.0f}, take '
+                      '{take_us:.0f}, scheduler {scheduler_us:.0f}, pipeline '
+                      '{pipeline_us:.0f}, rest {rest_us:.0f}'.format(**run),
                       flush=True)
     table = format_table(runs)
     print(table)
     if args.out:
-        write_json(os.path.join(args.out, 'cpu_per_batch.json'),
-                   {'argv': argv, 'runs': runs})
-        with open(os.path.join(args.out, 'table.txt'), 'w') as out:
-            out.write('python -m {} {}\n\n{}\n'.format(
-                __spec__.name, ' '.join(argv), table))
+        write_results(args.out, 'cpu_per_batch.json', {'argv': argv, 'runs': runs},
+                      'python -m {} {}'.format(__spec__.name, ' '.join(argv)),
+                      table)
     return 0
 
 

@@ -26,7 +26,7 @@ from typing import Dict, List
 
 from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
 from chainer_prefetch_bench.testbed.processes import answer_child, run_in_child
-from chainer_prefetch_bench.testbed.report import write_json
+from chainer_prefetch_bench.testbed.report import write_results
 
 #: The ways compared: reading into a scratch buffer (the fallback), and
 #: faulting into the memory map (what the dataset does).
@@ -112,11 +112,9 @@ def main(argv=None) -> int:
     table = format_table(runs)
     print(table)
     if args.out:
-        write_json(os.path.join(args.out, 'read_cost.json'),
-                   {'argv': argv, 'runs': runs})
-        with open(os.path.join(args.out, 'table.txt'), 'w') as out:
-            out.write('python -m {} {}\n\n{}\n'.format(
-                __spec__.name, ' '.join(argv), table))
+        write_results(args.out, 'read_cost.json', {'argv': argv, 'runs': runs},
+                      'python -m {} {}'.format(__spec__.name, ' '.join(argv)),
+                      table)
     return 0
 
 

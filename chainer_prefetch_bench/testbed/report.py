@@ -27,6 +27,21 @@ def write_json(path: str, data: Any, indent: int = 1) -> str:
     return path
 
 
+def write_results(out: str, name: str, data: Any, command: str, table: str):
+    """Writes ``out/name`` (JSON) and ``out/table.txt``: the command, then the table.
+
+    Args:
+        out: The results folder (made if missing).
+        name: The JSON file's name.
+        data: JSON-able data.
+        command: The command that produced them.
+        table: The table to show.
+    """
+    write_json(os.path.join(out, name), data)
+    with open(os.path.join(out, 'table.txt'), 'w') as table_file:
+        table_file.write('{}\n\n{}\n'.format(command, table))
+
+
 def save_figure(fig, out: str, name: str, dpi: int = 120) -> str:
     """Lay out ``fig``, write it to ``out/name`` and close it.
 
