@@ -232,24 +232,26 @@ class RowSources:
         Returns:
             A new array of the rows' values, one row after the other.
         """
-        if self._bytes is None:  # references, not bytes, to copy
-            sources = (itertools.repeat(0) if source_of_row is None
-                       else source_of_row.tolist())
-            return numpy.concatenate([numpy.empty(0, self.dtype)] + [
-                self._arrays[source][start:end] for source, start, end in zip(
-                    sources, starts.tolist(), (starts + lengths).tolist())])
         ends = starts + lengths
+        if self._bytes is None:  # references, not bytes, to copy
+            return numpy.concatenate([numpy.empty(0, self.dtype)] + [
+                source[start:end] for source, start, end in zip(
+                    _each_row(self._arrays, source_of_row), starts.tolist(),
+                    ends.tolist())])
         width = self.dtype.itemsize
         if width != 1:  # positions of values to positions of bytes
             starts, ends = starts * width, ends * width
-        firsts, lasts = starts.tolist(), ends.tolist()
-        if source_of_row is None:
-            source = self._bytes[0]
-            parts = [source[first:last] for first, last in zip(firsts, lasts)]
-        else:
-            parts = [source[first:last] for source, first, last in zip(
-                map(self._bytes.__getitem__, source_of_row.tolist()), firsts, lasts)]
-        return numpy.frombuffer(bytearray().join(parts), self.dtype)
+        return numpy.frombuffer(bytearray().join([
+            source[first:last] for source, first, last in zip(
+                _each_row(self._bytes, source_of_row), starts.tolist(),
+                ends.tolist())]), self.dtype)
+
+
+def _each_row(sources: list, source_of_row: Optional[numpy.ndarray]):
+    """Each row's source: the first for every row when ``source_of_row`` is ``None``."""
+    if source_of_row is None:
+        return itertools.repeat(sources[0])
+    return map(sources.__getitem__, source_of_row.tolist())
 
 
 class ColumnarBatch(collections.abc.Sequence):

@@ -186,13 +186,17 @@ def test_growth_factors_are_parsed_and_the_longest_runs_are_drawn(tmp_path):
     assert os.path.getsize(path) > 0
 
 
+def _tiny_dataset(tmp_path) -> list:
+    """Options of a generated dataset of 600 rows in 2 files (a few row groups)."""
+    return ['--workdir', str(tmp_path), '--rows', '600', '--files', '2',
+            '--row-group-mb', '0.5', '--image-size', '16']
+
+
 @pytest.mark.timeout(300)
 def test_the_read_cost_runs_both_ways_on_the_same_row_groups(tmp_path):
     out = tmp_path / 'out'
-    assert read_cost.main([
-        '--workdir', str(tmp_path), '--rows', '600', '--files', '2',
-        '--row-group-mb', '0.5', '--image-size', '16', '--row-groups', '2',
-        '--repeats', '2', '--out', str(out)]) == 0
+    assert read_cost.main(_tiny_dataset(tmp_path) + [
+        '--row-groups', '2', '--repeats', '2', '--out', str(out)]) == 0
     runs = json.loads((out / 'read_cost.json').read_text())['runs']
     assert [run['way'] for run in runs] == ['read', 'populate'] * 2
     assert {run['row_groups'] for run in runs} == {2}
@@ -215,10 +219,8 @@ def test_the_read_cost_table_gives_medians_and_ratios():
 def test_the_cpu_per_batch_clocks_the_calls_of_each_method(tmp_path):
     import statistics
     out = tmp_path / 'out'
-    assert cpu_per_batch.main([
-        '--workdir', str(tmp_path), '--rows', '600', '--files', '2',
-        '--row-group-mb', '0.5', '--image-size', '16', '--batches', '3',
-        '--workers', '1', '--repeats', '2', '--local-dir',
+    assert cpu_per_batch.main(_tiny_dataset(tmp_path) + [
+        '--batches', '3', '--workers', '1', '--repeats', '2', '--local-dir',
         str(tmp_path / 'local'), '--out', str(out)]) == 0
     runs = json.loads((out / 'cpu_per_batch.json').read_text())['runs']
     assert [run['method'] for run in runs] == ['ours-memory', 'arrow-threads'] * 2

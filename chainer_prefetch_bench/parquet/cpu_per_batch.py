@@ -123,15 +123,16 @@ def run_one(config: Dict) -> Dict:
     us = {label: 1e6 * seconds / batches for label, seconds in clocks.seconds.items()}
     ours = config['method'].startswith('ours')
     cut = us.get('load_columns_with' if ours else 'take', 0.0)
+    scheduler = us.get('scheduler', 0.0)
     pipeline = sum(us.get(label, 0.0) for label in PIPELINE)
     cpu = 1e6 * result['cpu_s'] / batches
     return {'method': config['method'], 'workers': config['workers'],
             'rows_per_s': result['rows_per_s'], 'cpu_s': result['cpu_s'],
             'cpu_us': round(cpu, 1), 'cut_us': round(cut, 1),
             'take_us': round(us.get('take', 0.0), 1),
-            'scheduler_us': round(us.get('scheduler', 0.0), 1),
+            'scheduler_us': round(scheduler, 1),
             'pipeline_us': round(pipeline, 1),
-            'rest_us': round(cpu - cut - us.get('scheduler', 0.0) - pipeline, 1),
+            'rest_us': round(cpu - cut - scheduler - pipeline, 1),
             'us_per_batch': {label: round(value, 1) for label, value in us.items()},
             'calls': dict(clocks.calls)}
 
@@ -200,9 +201,7 @@ def main(argv=None) -> int:
     table = format_table(runs)
     print(table)
     if args.out:
-        write_results(args.out, 'cpu_per_batch.json', {'argv': argv, 'runs': runs},
-                      'python -m {} {}'.format(__spec__.name, ' '.join(argv)),
-                      table)
+        write_results(args.out, __spec__.name, argv, runs, table)
     return 0
 
 

@@ -112,9 +112,7 @@ def main(argv=None) -> int:
     table = format_table(runs)
     print(table)
     if args.out:
-        write_results(args.out, 'read_cost.json', {'argv': argv, 'runs': runs},
-                      'python -m {} {}'.format(__spec__.name, ' '.join(argv)),
-                      table)
+        write_results(args.out, __spec__.name, argv, runs, table)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Writing results: JSON files (atomically) and figures."""
 import json
 import os
-from typing import Any
+from typing import Any, List
 
 
 def write_json(path: str, data: Any, indent: int = 1) -> str:
@@ -27,19 +27,24 @@ def write_json(path: str, data: Any, indent: int = 1) -> str:
     return path
 
 
-def write_results(out: str, name: str, data: Any, command: str, table: str):
-    """Writes ``out/name`` (JSON) and ``out/table.txt``: the command, then the table.
+def write_results(out: str, module: str, argv: List[str], runs: List[Any],
+                  table: str):
+    """Writes a script's runs to ``out/<script>.json`` and ``out/table.txt``.
+
+    ``table.txt`` starts with the command that produced it.
 
     Args:
         out: The results folder (made if missing).
-        name: The JSON file's name.
-        data: JSON-able data.
-        command: The command that produced them.
+        module: The script's module (``python -m`` runs it).
+        argv: Its arguments.
+        runs: JSON-able runs.
         table: The table to show.
     """
-    write_json(os.path.join(out, name), data)
+    write_json(os.path.join(out, module.rsplit('.', 1)[-1] + '.json'),
+               {'argv': argv, 'runs': runs})
     with open(os.path.join(out, 'table.txt'), 'w') as table_file:
-        table_file.write('{}\n\n{}\n'.format(command, table))
+        table_file.write('python -m {} {}\n\n{}\n'.format(
+            module, ' '.join(argv), table))
 
 
 def save_figure(fig, out: str, name: str, dpi: int = 120) -> str:
