@@ -1,4 +1,4 @@
-"""Where the CPU of a Parquet benchmark run goes, per batch: ours against ``arrow-threads``.
+"""Where the CPU and the time of a Parquet benchmark run go, per batch, ours against arrow-threads.
 
 Runs configurations of the Parquet benchmark (:func:`bench.run_one`, the
 same dataset, columns and batches) each in a fresh child process, with the
@@ -22,6 +22,19 @@ disk, does not count).  Per batch:
   benchmark's clock to the end of its teardown) less the above: Arrow's
   decoding, the training loop, starting and stopping.
 
+When the batches come, from the time the training loop gets each:
+
+* ``1st b s``: seconds to the first batch;
+* ``stalls``, ``stalled s``: waits of more than :data:`STALL_SECONDS`
+  between two batches, and their seconds together (for instance for a row
+  group not decoded yet when its first batch is due);
+* ``pace ms/b``: milliseconds a batch between the first and the last
+  batch, stalls left out: the pace at which batches come while their row
+  groups are ready;
+* ``decode s``: for ours, the median wall seconds of a row group's
+  ``memory_form`` (decoding it into memory; ``arrow-threads`` decodes
+  otherwise, and shows 0).
+
 Per-batch figures divide by the batches consumed (calls for batches
 prefetched but not consumed count too, about 0.5% at 1,000 batches); each
 clock adds 1-2 us to its call.  Only methods whose loaders are threads of
@@ -39,7 +52,9 @@ import statistics
 import sys
 import threading
 import time
-from typing import Dict, List
+from typing import Dict, List, Sequence
+
+import numpy
 
 from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
 from chainer_prefetch_bench.testbed.processes import answer_child, run_in_child
@@ -69,16 +84,27 @@ COLUMNS = (('rows_per_s', 'rows/s', '{:.0f}'),
            ('take_us', 'take us/b', '{:.0f}'),
            ('scheduler_us', 'scheduler us/b', '{:.0f}'),
            ('pipeline_us', 'pipeline us/b', '{:.0f}'),
-           ('rest_us', 'rest us/b', '{:.0f}'))
+           ('rest_us', 'rest us/b', '{:.0f}'),
+           ('first_batch_s', '1st b s', '{:.2f}'),
+           ('stalls', 'stalls', '{:.0f}'),
+           ('stalled_s', 'stalled s', '{:.2f}'),
+           ('pace_ms', 'pace ms/b', '{:.2f}'),
+           ('decode_s', 'decode s', '{:.3f}'))
+#: A wait between two batches longer than this is a stall.
+STALL_SECONDS = 0.02
 
 
 class ThreadClocks:
-    """CPU seconds and calls of clocked methods, summed over every thread."""
+    """CPU seconds and calls of clocked methods, summed over every thread.
+
+    ``wall[label]`` lists the wall seconds of each call too.
+    """
 
     def __init__(self):
         self._lock = threading.Lock()
         self.seconds = collections.Counter()
         self.calls = collections.Counter()
+        self.wall = collections.defaultdict(list)
 
     def clock(self, owner, name: str, label: str):
         """Replaces ``owner.name`` with a version that adds its thread CPU to ``label``.
@@ -92,16 +118,57 @@ class ThreadClocks:
 
         @functools.wraps(method)
         def clocked(*args, **kwargs):
-            started = time.thread_time()
+            started, wall_started = time.thread_time(), time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
                 spent = time.thread_time() - started
+                wall = time.perf_counter() - wall_started
                 with self._lock:
                     self.seconds[label] += spent
                     self.calls[label] += 1
+                    self.wall[label].append(wall)
 
         setattr(owner, name, clocked)
+
+
+def timeline_of(arrivals: Sequence[float]) -> Dict:
+    """The first batch, the stalls and the pace between them.
+
+    Args:
+        arrivals: When the run started, then when each batch came
+            (``time.perf_counter()`` seconds; at least one batch).
+
+    Returns:
+        ``first_batch_s``, ``stalls`` (gaps between batches longer than
+        :data:`STALL_SECONDS`), ``stalled_s`` (their seconds together) and
+        ``pace_ms`` (milliseconds a batch from the first to the last, the
+        stalls left out; 0 for a single batch).
+    """
+    gaps = numpy.diff(numpy.asarray(arrivals[1:], dtype=float))
+    stalls = gaps[gaps > STALL_SECONDS]
+    between = arrivals[-1] - arrivals[1] - stalls.sum()
+    return {'first_batch_s': round(arrivals[1] - arrivals[0], 4),
+            'stalls': int(len(stalls)),
+            'stalled_s': round(float(stalls.sum()), 4),
+            'pace_ms': round(1e3 * float(between) / max(1, len(gaps)), 4)}
+
+
+def _time_the_batches(bench, arrivals: List[float]):
+    """Makes ``bench.run_one`` note when its run starts and each batch comes."""
+    make_batches = bench._batches
+
+    def timed_batches(*args, **kwargs):
+        arrivals.append(time.perf_counter())
+        batches = make_batches(*args, **kwargs)
+        try:
+            for batch in batches:
+                arrivals.append(time.perf_counter())
+                yield batch
+        finally:
+            batches.close()
+
+    bench._batches = timed_batches
 
 
 def run_one(config: Dict) -> Dict:
@@ -118,6 +185,8 @@ def run_one(config: Dict) -> Dict:
         module = importlib.import_module(module)
         clocks.clock(module if owner is None else getattr(module, owner),
                      name, label)
+    arrivals = []
+    _time_the_batches(bench, arrivals)
     result = bench.run_one(config)
     batches = result['rows'] / bench.BATCH_SIZE
     us = {label: 1e6 * seconds / batches for label, seconds in clocks.seconds.items()}
@@ -127,12 +196,16 @@ def run_one(config: Dict) -> Dict:
     pipeline = sum(us.get(label, 0.0) for label in PIPELINE)
     cpu = 1e6 * result['cpu_s'] / batches
     return {'method': config['method'], 'workers': config['workers'],
-            'rows_per_s': result['rows_per_s'], 'cpu_s': result['cpu_s'],
+            'rows_per_s': result['rows_per_s'], 'seconds': result['seconds'],
+            'cpu_s': result['cpu_s'],
             'cpu_us': round(cpu, 1), 'cut_us': round(cut, 1),
             'take_us': round(us.get('take', 0.0), 1),
             'scheduler_us': round(scheduler, 1),
             'pipeline_us': round(pipeline, 1),
             'rest_us': round(cpu - cut - scheduler - pipeline, 1),
+            **timeline_of(arrivals),
+            'decode_s': round(statistics.median(
+                clocks.wall['memory_form'] or [0.0]), 4),
             'us_per_batch': {label: round(value, 1) for label, value in us.items()},
             'calls': dict(clocks.calls)}
 
@@ -196,7 +269,9 @@ def main(argv=None) -> int:
                 print('{method:<14} {workers} workers: {rows_per_s:8.0f} rows/s, '
                       'CPU {cpu_us:.0f} us a batch: cut {cut_us:.0f}, take '
                       '{take_us:.0f}, scheduler {scheduler_us:.0f}, pipeline '
-                      '{pipeline_us:.0f}, rest {rest_us:.0f}'.format(**run),
+                      '{pipeline_us:.0f}, rest {rest_us:.0f}; first batch '
+                      '{first_batch_s:.2f} s, {stalls} stalls ({stalled_s:.2f} '
+                      's), {pace_ms:.2f} ms a batch between them'.format(**run),
                       flush=True)
     table = format_table(runs)
     print(table)
