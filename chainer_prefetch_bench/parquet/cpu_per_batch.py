@@ -28,12 +28,12 @@ When the batches come, from the time the training loop gets each:
 * ``stalls``, ``stalled s``: waits of more than :data:`STALL_SECONDS`
   between two batches, and their seconds together (for instance for a row
   group not decoded yet when its first batch is due);
-* ``pace ms/b``: milliseconds a batch between the first and the last
-  batch, stalls left out: the pace at which batches come while their row
-  groups are ready;
+* ``pace ms/b``: the mean wait between two batches that is not a stall:
+  the pace at which batches come while their row groups are ready;
 * ``decode s``: for ours, the median wall seconds of a row group's
-  ``memory_form`` (decoding it into memory; ``arrow-threads`` decodes
-  otherwise, and shows 0).
+  ``memory_form`` (decoding it into memory, with any reading not done
+  ahead and the waits for the GIL; ``arrow-threads`` decodes otherwise,
+  and shows 0).
 
 Per-batch figures divide by the batches consumed (calls for batches
 prefetched but not consumed count too, about 0.5% at 1,000 batches); each
@@ -74,6 +74,8 @@ CLOCKED = {
 }
 #: The labels that make up ``pipeline``.
 PIPELINE = ('executor', 'mailbox', 'read_ahead', 'memory_form')
+#: The labels whose calls' wall seconds are kept too (``ThreadClocks.wall``).
+WALL_TIMED = ('memory_form',)
 #: The benchmark's methods that load in the training process.
 IN_PROCESS_METHODS = ('ours-memory', 'ours-threads', 'ours-memory-shared',
                       'ours-threads-shared', 'arrow-threads')
@@ -97,7 +99,8 @@ STALL_SECONDS = 0.02
 class ThreadClocks:
     """CPU seconds and calls of clocked methods, summed over every thread.
 
-    ``wall[label]`` lists the wall seconds of each call too.
+    ``wall[label]`` lists the wall seconds of each call of the labels
+    clocked with ``keep_wall``.
     """
 
     def __init__(self):
@@ -106,28 +109,30 @@ class ThreadClocks:
         self.calls = collections.Counter()
         self.wall = collections.defaultdict(list)
 
-    def clock(self, owner, name: str, label: str):
+    def clock(self, owner, name: str, label: str, keep_wall: bool = False):
         """Replaces ``owner.name`` with a version that adds its thread CPU to ``label``.
 
         Args:
             owner: The class (or module) whose method (or function) is clocked.
             name: The method's name.
             label: Where its CPU seconds and calls are counted.
+            keep_wall: Also list each call's wall seconds in ``wall[label]``.
         """
         method = getattr(owner, name)
 
         @functools.wraps(method)
         def clocked(*args, **kwargs):
-            started, wall_started = time.thread_time(), time.perf_counter()
+            started = time.thread_time()
+            wall_started = time.perf_counter() if keep_wall else 0.0
             try:
                 return method(*args, **kwargs)
             finally:
                 spent = time.thread_time() - started
-                wall = time.perf_counter() - wall_started
                 with self._lock:
                     self.seconds[label] += spent
                     self.calls[label] += 1
-                    self.wall[label].append(wall)
+                    if keep_wall:
+                        self.wall[label].append(time.perf_counter() - wall_started)
 
         setattr(owner, name, clocked)
 
@@ -142,20 +147,28 @@ def timeline_of(arrivals: Sequence[float]) -> Dict:
     Returns:
         ``first_batch_s``, ``stalls`` (gaps between batches longer than
         :data:`STALL_SECONDS`), ``stalled_s`` (their seconds together) and
-        ``pace_ms`` (milliseconds a batch from the first to the last, the
-        stalls left out; 0 for a single batch).
+        ``pace_ms`` (the mean of the other gaps, in milliseconds; 0 when
+        there is none).
     """
     gaps = numpy.diff(numpy.asarray(arrivals[1:], dtype=float))
-    stalls = gaps[gaps > STALL_SECONDS]
-    between = arrivals[-1] - arrivals[1] - stalls.sum()
+    stalled = gaps > STALL_SECONDS
+    paced = gaps[~stalled]
     return {'first_batch_s': round(arrivals[1] - arrivals[0], 4),
-            'stalls': int(len(stalls)),
-            'stalled_s': round(float(stalls.sum()), 4),
-            'pace_ms': round(1e3 * float(between) / max(1, len(gaps)), 4)}
+            'stalls': int(stalled.sum()),
+            'stalled_s': round(float(gaps[stalled].sum()), 4),
+            'pace_ms': round(1e3 * float(paced.mean()) if len(paced) else 0.0, 4)}
 
 
 def _time_the_batches(bench, arrivals: List[float]):
-    """Makes ``bench.run_one`` note when its run starts and each batch comes."""
+    """Makes ``bench.run_one`` note when its run starts and each batch comes.
+
+    The start is when the run first asks for a batch (microseconds after
+    the benchmark's own clock starts).
+
+    Args:
+        bench: The benchmark module, whose batch generator is wrapped.
+        arrivals: Where the times go (``time.perf_counter()`` seconds).
+    """
     make_batches = bench._batches
 
     def timed_batches(*args, **kwargs):
@@ -184,7 +197,7 @@ def run_one(config: Dict) -> Dict:
     for label, (module, owner, name) in CLOCKED.items():
         module = importlib.import_module(module)
         clocks.clock(module if owner is None else getattr(module, owner),
-                     name, label)
+                     name, label, keep_wall=label in WALL_TIMED)
     arrivals = []
     _time_the_batches(bench, arrivals)
     result = bench.run_one(config)
@@ -241,7 +254,7 @@ def main(argv=None) -> int:
     parser.add_argument('--methods', default='ours-memory,arrow-threads',
                         help='benchmark methods that load in the training '
                         'process: {}'.format(', '.join(IN_PROCESS_METHODS)))
-    parser.add_argument('--workers', default='1,2')
+    parser.add_argument('--workers', default='1,2,4')
     parser.add_argument('--batches', type=int, default=1000)
     parser.add_argument('--repeats', type=int, default=5)
     parser.add_argument('--local-dir', default='/dev/shm/bench_parquet_local')
@@ -271,7 +284,7 @@ def main(argv=None) -> int:
                       '{take_us:.0f}, scheduler {scheduler_us:.0f}, pipeline '
                       '{pipeline_us:.0f}, rest {rest_us:.0f}; first batch '
                       '{first_batch_s:.2f} s, {stalls} stalls ({stalled_s:.2f} '
-                      's), {pace_ms:.2f} ms a batch between them'.format(**run),
+                      's), {pace_ms:.2f} ms a batch between the others'.format(**run),
                       flush=True)
     table = format_table(runs)
     print(table)
