@@ -161,6 +161,33 @@ class VarColumn:
 
 Column = Union[numpy.ndarray, VarColumn]
 
+#: ``numpy.arange`` of int64, read-only, that :func:`positions` slices.
+_POSITIONS = numpy.arange(0, dtype=numpy.int64)
+
+
+def positions(count: int) -> numpy.ndarray:
+    """``numpy.arange(count)`` (int64), read-only, without giving the GIL up.
+
+    ``numpy.arange`` (like ``unique``, ``bincount``, ``concatenate``,
+    ``searchsorted`` and ``astype``) gives the GIL up however small its
+    result, and taking it back waits for the other threads of the process
+    to give it up in turn: up to the interpreter's switch interval (5 ms)
+    while one of them runs Python, where the call itself takes a
+    microsecond.  Threads that handle every batch (loader threads, the
+    pipeline thread) slice a shared range instead.
+
+    Args:
+        count: How many positions (0 to ``count - 1``).
+    """
+    global _POSITIONS
+    found = _POSITIONS
+    if count > len(found):
+        found = numpy.arange(max(count, 2 * len(found)), dtype=numpy.int64)
+        found.flags.writeable = False
+        _POSITIONS = found  # (threads racing here make equal ranges)
+    return found[:count]
+
+
 def offsets_of(lengths: Sequence[int]) -> numpy.ndarray:
     """Where each of consecutive pieces of ``lengths`` starts, and the end."""
     offsets = numpy.zeros(len(lengths) + 1, numpy.int64)
@@ -185,11 +212,11 @@ def split_by_group(groups: numpy.ndarray
         ``inverse`` is ``None`` when all rows are of one group.
     """
     if (groups == groups[0]).all():  # (argsort gives the GIL up, even here)
-        return [(int(groups[0]), numpy.arange(len(groups)))], None
+        return [(int(groups[0]), positions(len(groups)))], None
     order = numpy.argsort(groups, kind='stable')
     segments = numpy.split(order, numpy.flatnonzero(numpy.diff(groups[order])) + 1)
     inverse = numpy.empty(len(order), numpy.int64)
-    inverse[order] = numpy.arange(len(order))
+    inverse[order] = positions(len(order))
     return [(int(groups[positions[0]]), positions) for positions in segments], inverse
 
 

@@ -15,6 +15,7 @@ from chainer_prefetch.columnar import (
     VarColumn,
     column_of_values,
     concat_columns,
+    positions,
 )
 from chainer_prefetch.iterators import _columnar_worker
 
@@ -198,3 +199,14 @@ def test_a_loader_reading_columns_imports_no_pandas(tmp_path):
                             stdout=subprocess.PIPE, universal_newlines=True,
                             timeout=60, check=True)
     assert result.stdout.strip() == "{'x': 9, 'y': 9.0, 's': '9'} False"
+
+
+def test_positions_are_a_read_only_range_that_grows_as_asked():
+    small = positions(5)
+    assert small.dtype == np.int64 and small.tolist() == [0, 1, 2, 3, 4]
+    large = positions(100000)
+    assert np.array_equal(large, np.arange(100000))
+    assert small.tolist() == [0, 1, 2, 3, 4]  # earlier ranges stay as they were
+    assert len(positions(0)) == 0
+    with pytest.raises(ValueError):
+        large[3] = 7  # shared by every caller: nobody may write into it

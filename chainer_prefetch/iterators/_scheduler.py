@@ -90,6 +90,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy
 
+from chainer_prefetch.columnar import positions
 from chainer_prefetch.policy import lookahead
 from chainer_prefetch.policy.eviction import NEVER
 from chainer_prefetch.policy.future_uses import FutureUses
@@ -527,19 +528,23 @@ class _UnitBatch(_Batch):
     """
 
     def __init__(self, batch_id, rows, state, first_access, keys):
-        if keys[0] == keys[-1] and (keys == keys[0]).all():  # one unit
+        # One unit without numpy.unique and bincount, which give the GIL up
+        # (see chainer_prefetch.columnar.positions).
+        if keys[0] == keys[-1] and (keys == keys[0]).all():
             first = numpy.zeros(1, numpy.int64)
             unit_of_row = numpy.zeros(len(rows), numpy.int64)
             last_position = numpy.asarray([len(rows) - 1])
+            weights = numpy.asarray([len(rows)])
         else:
             _, first, unit_of_row = numpy.unique(keys, return_index=True,
                                                  return_inverse=True)
             _, last_reversed = numpy.unique(keys[::-1], return_index=True)
             last_position = len(rows) - 1 - last_reversed
+            weights = numpy.bincount(unit_of_row.reshape(-1), minlength=len(first))
         super().__init__(batch_id, rows[first], state, first_access)
         self.rows = rows
         self.unit_of_row = unit_of_row.reshape(-1)
-        self.weights = numpy.bincount(self.unit_of_row, minlength=len(first))
+        self.weights = weights
         self.last_position = last_position
         self.local = numpy.zeros(len(first), dtype=bool)  # read locally
         self.columns: Any = None  # the loaded columns
@@ -861,7 +866,7 @@ class Scheduler:
         if not self.config.columnar:
             return _Batch(next(self._ids), indices, self._state, first_access)
         rows = numpy.asarray(indices, dtype=numpy.int64)
-        epochs = (first_access + numpy.arange(len(rows))
+        epochs = (first_access + positions(len(rows))
                   ) // self.config.dataset_length
         if not self.config.staging:
             keys = epochs  # one unit per epoch the batch spans

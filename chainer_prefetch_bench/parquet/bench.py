@@ -475,8 +475,10 @@ def run_one(config: Dict) -> Dict:
                 first_batch_s = time.perf_counter() - started
             ids = numpy.asarray(ids, dtype=numpy.int64)
             rows += len(ids)
-            duplicates_in_batches += len(ids) - len(numpy.unique(ids))
-            groups_per_batch.append(len(numpy.unique(row_group_of_id[ids])))
+            # Counted in sets: numpy.unique gives the GIL up, and taking it
+            # back would make this loop wait for the loaders' threads.
+            duplicates_in_batches += len(ids) - len(set(ids.tolist()))
+            groups_per_batch.append(len(set(row_group_of_id[ids].tolist())))
             seen[ids] = True
             if rows >= (len(epoch_seconds) + 1) * n_rows:
                 epoch_seconds.append(time.perf_counter() - started)
