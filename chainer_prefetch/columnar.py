@@ -217,7 +217,7 @@ def split_by_group(groups: numpy.ndarray
     segments = numpy.split(order, numpy.flatnonzero(numpy.diff(groups[order])) + 1)
     inverse = numpy.empty(len(order), numpy.int64)
     inverse[order] = positions(len(order))
-    return [(int(groups[positions[0]]), positions) for positions in segments], inverse
+    return [(int(groups[members[0]]), members) for members in segments], inverse
 
 
 class RowSources:

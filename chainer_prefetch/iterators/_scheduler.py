@@ -538,12 +538,13 @@ class _UnitBatch(_Batch):
         else:
             _, first, unit_of_row = numpy.unique(keys, return_index=True,
                                                  return_inverse=True)
+            unit_of_row = unit_of_row.reshape(-1)
             _, last_reversed = numpy.unique(keys[::-1], return_index=True)
             last_position = len(rows) - 1 - last_reversed
-            weights = numpy.bincount(unit_of_row.reshape(-1), minlength=len(first))
+            weights = numpy.bincount(unit_of_row, minlength=len(first))
         super().__init__(batch_id, rows[first], state, first_access)
         self.rows = rows
-        self.unit_of_row = unit_of_row.reshape(-1)
+        self.unit_of_row = unit_of_row
         self.weights = weights
         self.last_position = last_position
         self.local = numpy.zeros(len(first), dtype=bool)  # read locally
