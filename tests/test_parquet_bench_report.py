@@ -43,9 +43,9 @@ def test_every_ours_method_runs_at_every_window_and_the_others_once():
     args = bench.parse_args(['--window', '1,4', '--methods',
                              'ours-local,petastorm,ours-shared'])
     assert bench._variants(args) == [
-        ('ours-local', 1, 'default'), ('ours-local', 4, 'default'),
-        ('petastorm', 4, 'default'), ('ours-shared', 1, 'default'),
-        ('ours-shared', 4, 'default')]
+        ('ours-local', 1, 'default', None), ('ours-local', 4, 'default', None),
+        ('petastorm', 4, 'default', None), ('ours-shared', 1, 'default', None),
+        ('ours-shared', 4, 'default', None)]
 
 
 def test_every_method_runs_at_every_memory_setting_compared_within_it():
@@ -53,8 +53,8 @@ def test_every_method_runs_at_every_memory_setting_compared_within_it():
                              'ours-local,petastorm',
                              '--arrow-memory', 'default,retain'])
     assert bench._variants(args) == [
-        ('ours-local', 1, 'default'), ('petastorm', 1, 'default'),
-        ('ours-local', 1, 'retain'), ('petastorm', 1, 'retain')]
+        ('ours-local', 1, 'default', None), ('petastorm', 1, 'default', None),
+        ('ours-local', 1, 'retain', None), ('petastorm', 1, 'retain', None)]
     runs = [dict(_run('ours-local', 1, 30.0), arrow_memory='default'),
             dict(_run('petastorm', None, 20.0), arrow_memory='default'),
             dict(_run('ours-local', 1, 60.0), arrow_memory='retain'),
@@ -70,6 +70,48 @@ def test_an_unknown_memory_setting_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(['--arrow-memory', 'default,keep'])
     assert 'unknown setting(s) keep' in capsys.readouterr().err
+
+
+def test_every_method_runs_at_every_switch_interval_compared_within_it():
+    args = bench.parse_args(['--window', '1', '--methods', 'ours-memory,petastorm',
+                             '--switch-interval', 'default,0.0001'])
+    assert bench._variants(args) == [
+        ('ours-memory', 1, 'default', None), ('petastorm', 1, 'default', None),
+        ('ours-memory', 1, 'default', 0.0001), ('petastorm', 1, 'default', 0.0001)]
+    runs = [dict(_run('ours-memory', 1, 30.0), switch_interval=None),
+            dict(_run('petastorm', None, 20.0), switch_interval=None),
+            dict(_run('ours-memory', 1, 60.0), switch_interval=0.0001),
+            dict(_run('petastorm', None, 24.0), switch_interval=0.0001)]
+    table = bench.format_table(bench.median_runs(runs))
+    vs_peer = {' '.join(line.split()[:-10]): line.split()[-8]
+               for line in table.splitlines()[1:5]}
+    assert vs_peer == {'ours-memory w1': '1.50x', 'petastorm': '-',
+                       'ours-memory w1 switch0.1ms': '2.50x',
+                       'petastorm switch0.1ms': '-'}
+    assert 'sys.setswitchinterval(N / 1000)' in table
+
+
+@pytest.mark.parametrize('value', ['0', '-0.001', 'fast'])
+def test_a_switch_interval_that_is_not_a_positive_number_is_refused(value, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(['--switch-interval', 'default,' + value])
+    assert "--switch-interval: '{}' is neither".format(value) in capsys.readouterr().err
+
+
+def test_a_run_has_its_switch_interval_while_it_lasts(tmp_path):
+    from chainer_prefetch_bench.testbed import parquet_dataset
+    directory = str(tmp_path / 'shop')
+    parquet_dataset.generate(directory, 250, 3, 40, image_size=8)
+    before = sys.getswitchinterval()
+    results = [bench.run_one(bench.run_config(
+        'arrow-threads', 1, directory, 2, str(tmp_path / 'local'),
+        bench.row_group_sizes(directory), switch_interval=interval))
+        for interval in (0.0002, None)]
+    assert [result['rows'] for result in results] == [200, 200]
+    assert results[0]['switch_interval'] == 0.0002
+    assert results[1]['switch_interval'] is None
+    assert sys.getswitchinterval() == before
+    assert bench.label(results[0]) == 'arrow-threads switch0.2ms'
 
 
 def test_a_run_gets_the_environment_of_its_memory_setting(tmp_path):

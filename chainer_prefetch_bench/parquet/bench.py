@@ -51,7 +51,11 @@ every batch comes from one row group, the ``RG/batch`` column shows it.
 ``--arrow-memory default,retain`` likewise runs every method with Arrow's
 allocators at their defaults and keeping freed memory for the next row
 group (``ARROW_MEMORY``), labelled ``petastorm``, ``petastorm retain``; each
-is compared with Petastorm at the same setting.
+is compared with Petastorm at the same setting.  ``--switch-interval
+default,0.0001`` likewise runs every method with the interpreter's switch
+interval at its default (5 ms) and at 0.1 ms (``sys.setswitchinterval`` in
+the run's process, as a training script would call it), labelled
+``petastorm``, ``petastorm switch0.1ms``.
 
 Every configuration runs ``--repeats`` times, interleaved (repeat 1 of
 every configuration, then repeat 2, ...), and the table shows medians;
@@ -420,7 +424,8 @@ TIMED_COLUMNS = [name for name in parquet_dataset.SCHEMA.names if name != 'token
 def run_config(method: str, workers: int, source: str, batches: int,
                local_dir: str, sizes: List[int], window: int = 1,
                arrow_memory: str = 'default', num_cached_parquet: int = 1,
-               copy_ahead: int = 0, local_row_groups: int = 0) -> Dict:
+               copy_ahead: int = 0, local_row_groups: int = 0,
+               switch_interval: Optional[float] = None) -> Dict:
     """The configuration of one timed run, as :func:`run_one` takes it.
 
     Args:
@@ -437,9 +442,12 @@ def run_config(method: str, workers: int, source: str, batches: int,
             largest row group).
         local_row_groups: Ours' ``local_capacity`` in row groups (0: twice
             the window and 2).
+        switch_interval: ``sys.setswitchinterval`` of the run's process in
+            seconds (``None``: the interpreter's default).
     """
     return {'method': method, 'workers': workers, 'source': source,
-            'arrow_memory': arrow_memory, 'columns': TIMED_COLUMNS,
+            'arrow_memory': arrow_memory, 'switch_interval': switch_interval,
+            'columns': TIMED_COLUMNS,
             'batches': batches, 'window': window,
             'num_cached_parquet': num_cached_parquet, 'local_dir': local_dir,
             'seed': 0, 'row_group_sizes': sizes, 'copy_ahead': copy_ahead,
@@ -451,8 +459,21 @@ def run_one(config: Dict) -> Dict:
 
     Imports no part of ``chainer_prefetch`` unless an ``ours`` method or
     ``arrow-threads`` runs (the Petastorm environment has no Chainer): the
-    row-group layout comes in ``config['row_group_sizes']``.
+    row-group layout comes in ``config['row_group_sizes']``.  The
+    interpreter's switch interval is ``config['switch_interval']`` seconds
+    (``None``: left as it is) while the run lasts; the result gives the
+    interval in force when the first batch came.
     """
+    switch_interval = sys.getswitchinterval()
+    if config.get('switch_interval'):
+        sys.setswitchinterval(config['switch_interval'])
+    try:
+        return _timed_run(config)
+    finally:
+        sys.setswitchinterval(switch_interval)
+
+
+def _timed_run(config: Dict) -> Dict:
     import numpy
     columns = config['columns']
     sizes = numpy.asarray(config['row_group_sizes'], dtype=numpy.int64)
@@ -461,7 +482,7 @@ def run_one(config: Dict) -> Dict:
     _import_libraries(config['method'])
     started = time.perf_counter()
     cpu_started = _cpu_seconds()
-    first_batch_s = None
+    first_batch_s = switch_interval = None
     rows = duplicates_in_batches = 0
     groups_per_batch = []
     seen = numpy.zeros(n_rows, dtype=bool)
@@ -473,6 +494,7 @@ def run_one(config: Dict) -> Dict:
         for number, ids in enumerate(batches, 1):
             if first_batch_s is None:
                 first_batch_s = time.perf_counter() - started
+                switch_interval = round(sys.getswitchinterval(), 6)  # (in us)
             ids = numpy.asarray(ids, dtype=numpy.int64)
             rows += len(ids)
             # Counted in sets: numpy.unique gives the GIL up, and taking it
@@ -496,6 +518,8 @@ def run_one(config: Dict) -> Dict:
             'window': (config['window'] if config['method'].startswith('ours')
                        else None),
             'arrow_memory': config.get('arrow_memory', 'default'),
+            'switch_interval': (switch_interval if config.get('switch_interval')
+                                else None),
             'rows': rows, 'seconds': round(seconds, 3),
             'rows_per_s': round(rows / seconds, 1),
             'cpu_s': round(cpu_seconds, 2),
@@ -568,18 +592,21 @@ MEDIAN_FIELDS = ('rows_per_s', 'peak_rss_mb', 'peak_pss_mb', 'peak_local_mb',
                  'later_epochs_rows_per_s')
 
 
-#: Width of the method column of the tables (``petastorm-shared retain``).
-LABEL_WIDTH = 24
+#: Width of the method column of the tables (``ours-threads-shared w1 switch0.1ms``).
+LABEL_WIDTH = 34
 
 
 def label(run: Dict) -> str:
-    """The method of a run, with ours' window and the memory setting when not
-    the default (``ours-local w4``, ``petastorm retain``)."""
+    """The method of a run, with ours' window, and the memory setting and
+    switch interval when not the defaults (``ours-local w4``, ``petastorm
+    retain``, ``ours-memory w1 switch0.1ms``)."""
     name = run['method']
     if run.get('window') is not None:
         name += ' w{}'.format(run['window'])
     if run.get('arrow_memory', 'default') != 'default':
         name += ' ' + run['arrow_memory']
+    if run.get('switch_interval'):
+        name += ' switch{:g}ms'.format(run['switch_interval'] * 1000)
     return name
 
 
@@ -628,19 +655,23 @@ def format_table(runs: List[Dict]) -> str:
                          run['duplicates_in_batches'],
                          run['row_groups_per_batch']))
     lines.append('"vs peer": rows/s over Petastorm\'s on the same storage at the '
-                 'same workers (petastorm for local files, petastorm-shared '
-                 'through the emulated storage); "CPU s": CPU time of all the '
-                 "run's threads and processes")
+                 'same workers and settings (petastorm for local files, '
+                 'petastorm-shared through the emulated storage); "CPU s": CPU '
+                 "time of all the run's threads and processes")
+    if any(run.get('switch_interval') for run in runs):
+        lines.append('"switchN ms": the run\'s process had '
+                     'sys.setswitchinterval(N / 1000) (default 5 ms)')
     return '\n'.join(lines)
 
 
 def _vs_peer(run: Dict, runs: List[Dict], field: str) -> str:
     """``run[field]`` over that of Petastorm on the same storage and workers
-    (and memory setting)."""
+    (and memory setting and switch interval)."""
     base = next((peer.get(field) for peer in runs
                  if peer['method'] == PEERS.get(run['method'])
                  and peer['workers'] == run['workers']
-                 and peer.get('arrow_memory') == run.get('arrow_memory')),
+                 and peer.get('arrow_memory') == run.get('arrow_memory')
+                 and peer.get('switch_interval') == run.get('switch_interval')),
                 None)
     return ('{:>9.2f}x'.format(run[field] / base) if base and run.get(field)
             else '{:>10}'.format('-'))
@@ -816,6 +847,10 @@ def parse_args(argv):
                         'number, or several (each ours method runs at each); '
                         "1 is Petastorm's shuffle (each batch from one row "
                         'group)')
+    parser.add_argument('--switch-interval', default='default',
+                        help='comma-separated switch intervals of the runs\' '
+                        'processes in seconds, or default (5 ms); each method '
+                        'runs at each')
     parser.add_argument('--arrow-memory', default='default',
                         help='memory setting of every run, or several (each '
                         'method runs at each): default, or retain (Arrow '
@@ -858,6 +893,16 @@ def parse_args(argv):
         parser.error('--arrow-memory: unknown setting(s) {}; choose from {}'
                      .format(', '.join(sorted(unknown)),
                              ', '.join(ARROW_MEMORY)))
+    args.switch_intervals = []
+    for value in args.switch_interval.split(','):
+        try:
+            interval = None if value == 'default' else float(value)
+        except ValueError:
+            interval = -1.0
+        if interval is not None and not interval > 0:
+            parser.error('--switch-interval: {!r} is neither default nor a '
+                         'number of seconds above 0'.format(value))
+        args.switch_intervals.append(interval)
     return args
 
 
@@ -888,21 +933,23 @@ def main(argv=None) -> int:
     sizes = row_group_sizes(dataset_dir)
 
     def config_for(method, workers, batches, source, window=args.window,
-                   arrow_memory=args.arrow_memory[0]):
+                   arrow_memory=args.arrow_memory[0],
+                   switch_interval=args.switch_intervals[0]):
         return run_config(method, workers, source, batches, local_dir, sizes,
                           window=window, arrow_memory=arrow_memory,
                           num_cached_parquet=args.num_cached_parquet,
                           copy_ahead=args.copy_ahead,
-                          local_row_groups=args.local_row_groups)
+                          local_row_groups=args.local_row_groups,
+                          switch_interval=switch_interval)
 
     with storage.mounted(dataset_dir, mountpoint, preset=args.preset):
         for repeat in range(args.repeats):
             for workers in args.workers:
-                for method, window, memory in _variants(args):
+                for method, window, memory, switch in _variants(args):
                     source = (mountpoint if method.endswith('-shared')
                               else dataset_dir)
                     result = _measure(config_for(method, workers, args.batches,
-                                                 source, window, memory),
+                                                 source, window, memory, switch),
                                       dataset_dir, local_dir, args.run_timeout,
                                       petastorm_python)
                     result['repeat'] = repeat
@@ -960,9 +1007,12 @@ def main(argv=None) -> int:
 
 
 def _variants(args):
-    """``(method, window, arrow memory)`` of every run of one repeat: ours at
-    each window, every method at each memory setting."""
-    return [(method, window, memory) for memory in args.arrow_memory
+    """``(method, window, arrow memory, switch interval)`` of every run of one
+    repeat: ours at each window, every method at each memory setting and
+    switch interval."""
+    return [(method, window, memory, switch)
+            for switch in args.switch_intervals
+            for memory in args.arrow_memory
             for method in args.methods
             for window in (args.windows if method.startswith('ours')
                            else [args.window])]
