@@ -494,7 +494,7 @@ def _timed_run(config: Dict) -> Dict:
         for number, ids in enumerate(batches, 1):
             if first_batch_s is None:
                 first_batch_s = time.perf_counter() - started
-                switch_interval = round(sys.getswitchinterval(), 6)  # (in us)
+                switch_interval = round(sys.getswitchinterval(), 6)  # (whole us)
             ids = numpy.asarray(ids, dtype=numpy.int64)
             rows += len(ids)
             # Counted in sets: numpy.unique gives the GIL up, and taking it
@@ -605,9 +605,15 @@ def label(run: Dict) -> str:
         name += ' w{}'.format(run['window'])
     if run.get('arrow_memory', 'default') != 'default':
         name += ' ' + run['arrow_memory']
-    if run.get('switch_interval'):
-        name += ' switch{:g}ms'.format(run['switch_interval'] * 1000)
+    if _switch_interval(run):
+        name += ' switch{:g}ms'.format(_switch_interval(run) * 1000)
     return name
+
+
+def _switch_interval(run: Dict) -> Optional[float]:
+    """The switch interval a run had, in whole microseconds (``None``: the default)."""
+    interval = run.get('switch_interval')
+    return round(interval, 6) if interval else None
 
 
 def median_runs(runs: List[Dict]) -> List[Dict]:
@@ -658,9 +664,10 @@ def format_table(runs: List[Dict]) -> str:
                  'same workers and settings (petastorm for local files, '
                  'petastorm-shared through the emulated storage); "CPU s": CPU '
                  "time of all the run's threads and processes")
-    if any(run.get('switch_interval') for run in runs):
-        lines.append('"switchN ms": the run\'s process had '
-                     'sys.setswitchinterval(N / 1000) (default 5 ms)')
+    if any(_switch_interval(run) for run in runs):
+        lines.append('"switchNms": the run\'s process had '
+                     'sys.setswitchinterval(N / 1000) (default 5 ms; loader '
+                     'processes started by forkserver keep 5 ms)')
     return '\n'.join(lines)
 
 
@@ -671,7 +678,7 @@ def _vs_peer(run: Dict, runs: List[Dict], field: str) -> str:
                  if peer['method'] == PEERS.get(run['method'])
                  and peer['workers'] == run['workers']
                  and peer.get('arrow_memory') == run.get('arrow_memory')
-                 and peer.get('switch_interval') == run.get('switch_interval')),
+                 and _switch_interval(peer) == _switch_interval(run)),
                 None)
     return ('{:>9.2f}x'.format(run[field] / base) if base and run.get(field)
             else '{:>10}'.format('-'))
@@ -818,7 +825,7 @@ def parse_args(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--quick', action='store_true',
                         help='tiny dataset, few batches, workers 1 and 2 '
-                        '(under a minute)')
+                        '(under a minute); options given as well still apply')
     add_dataset_arguments(parser)
     parser.add_argument('--local-dir', default=None,
                         help='the local directory of ours (default: WORKDIR/local)')
@@ -871,11 +878,9 @@ def parse_args(argv):
     parser.add_argument('--petastorm-venv', default=petastorm_env.DEFAULT_DIR,
                         help="Petastorm's own environment (made on first use)")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.rows, args.files, args.row_group_mb = 8000, 4, 4.0
-        args.image_size, args.batches, args.workers = 64, 20, '1,2'
-        args.coverage_epochs, args.coverage_rows = 2, 8000
-        args.coverage_files, args.repeats, args.growth = 40, 1, '3'
+    if args.quick:  # new defaults: the options given still win
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
     args.workers = [int(w) for w in args.workers.split(',')]
     args.windows = [int(w) for w in str(args.window).split(',')]
     args.window = max(args.windows)  # growth and coverage runs
@@ -898,12 +903,20 @@ def parse_args(argv):
         try:
             interval = None if value == 'default' else float(value)
         except ValueError:
-            interval = -1.0
-        if interval is not None and not interval > 0:
+            interval = 0.0
+        if interval is not None and not 1e-6 <= interval <= 60:
             parser.error('--switch-interval: {!r} is neither default nor a '
-                         'number of seconds above 0'.format(value))
+                         'number of seconds from 0.000001 (the interpreter '
+                         'keeps whole microseconds) to 60'.format(value))
         args.switch_intervals.append(interval)
     return args
+
+
+#: The defaults ``--quick`` sets.
+QUICK = {'rows': 8000, 'files': 4, 'row_group_mb': 4.0, 'image_size': 64,
+         'batches': 20, 'workers': '1,2', 'coverage_epochs': 2,
+         'coverage_rows': 8000, 'coverage_files': 40, 'repeats': 1,
+         'growth': '3'}
 
 
 def main(argv=None) -> int:
