@@ -605,8 +605,9 @@ def label(run: Dict) -> str:
         name += ' w{}'.format(run['window'])
     if run.get('arrow_memory', 'default') != 'default':
         name += ' ' + run['arrow_memory']
-    if _switch_interval(run):
-        name += ' switch{:g}ms'.format(_switch_interval(run) * 1000)
+    interval = _switch_interval(run)
+    if interval:
+        name += ' switch{:g}ms'.format(interval * 1000)
     return name
 
 
