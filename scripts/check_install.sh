@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # What a user installs: a fresh virtual environment with only `pip install .`
 # (plus Chainer's build constraint) imports and runs the iterator, staging
-# real files; the parquet and mpi extras install and their parts work; the
-# bench and test extras resolve.  (The elastic extra's PyTorch needs
+# real files; the parquet and mpi extras install and their parts work; without
+# a C compiler the installation still goes on (rows are then taken in Python,
+# not by the C extension); the bench and test extras resolve.  (The elastic extra's PyTorch needs
 # setuptools>=77, which Chainer's import cannot take: README.rst,
 # "Installation".)  Used by .ci/run; about a minute.
 #
@@ -31,7 +32,9 @@ import numpy
 from PIL import Image
 import chainer
 import chainer_prefetch
+from chainer_prefetch import _take_rows, columnar
 assert '/site-packages/' in chainer_prefetch.__file__, chainer_prefetch.__file__
+assert columnar.TAKE_ROWS is _take_rows.take_rows  # the C extension was built
 with tempfile.TemporaryDirectory() as root:
     pairs = []
     for i in range(12):
@@ -64,27 +67,34 @@ PY
 
 echo "== pip install .[parquet,mpi]"
 pip_install "$repo[parquet,mpi]"
-"$python" - <<'PY'
+parquet_check() {  # a Parquet dataset through the iterator, columnar batches
+    "$python" - <<'PY'
 import os, tempfile
 import numpy, pyarrow, pyarrow.parquet
 from chainer_prefetch import PrefetchMultiprocessIterator
 from chainer_prefetch.datasets import ParquetDataset, RowGroupWindowOrderSampler
 import chainer_prefetch.resilience
 with tempfile.TemporaryDirectory() as root:
-    pyarrow.parquet.write_table(pyarrow.table({'id': numpy.arange(40)}),
-                                os.path.join(root, 'part.parquet'), row_group_size=10)
+    pyarrow.parquet.write_table(
+        pyarrow.table({'id': numpy.arange(40), 'name': ['n{}'.format(i) for i in range(40)]}),
+        os.path.join(root, 'part.parquet'), row_group_size=10)
     dataset = ParquetDataset(root)
     sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes, window=2, seed=0)
     iterator = PrefetchMultiprocessIterator(
         dataset, 10, n_processes=2, repeat=False, order_sampler=sampler,
         local_dir=os.path.join(root, 'local'))
     try:
-        ids = sorted(example['id'] for batch in iterator for example in batch)
+        examples = [example for batch in iterator for example in batch]
     finally:
         iterator.finalize()
-    assert ids == list(range(40)), ids
-print('parquet: 40 rows through the iterator (pyarrow {})'.format(pyarrow.__version__))
+    assert sorted(example['id'] for example in examples) == list(range(40)), examples
+    assert all(example['name'] == 'n{}'.format(example['id']) for example in examples)
+from chainer_prefetch import columnar
+print('parquet: 40 rows through the iterator (pyarrow {}, {})'.format(
+    pyarrow.__version__, columnar.TAKE_ROWS.__name__))
 PY
+}
+parquet_check
 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
     "$scratch/venv/bin/mpiexec" --oversubscribe -n 2 "$python" -c '
 from mpi4py import MPI
@@ -94,6 +104,17 @@ comm = chainermn.create_communicator("naive")
 assert comm.allreduce_obj(1) == 2
 if comm.rank == 0:
     print("mpi: 2 ranks, chainermn naive communicator")'
+
+echo "== pip install . without a C compiler: installs, and takes rows in Python"
+# (from a copy of the sources: the repository's build/ holds the compiled one)
+mkdir "$scratch/source"
+git -C "$repo" ls-files -z --cached --others --exclude-standard \
+    | (cd "$repo" && xargs -0 cp --parents -t "$scratch/source")
+CC=false pip_install --no-deps --force-reinstall "$scratch/source"
+"$python" -c '
+from chainer_prefetch import columnar
+assert columnar.TAKE_ROWS is columnar.take_rows_python, columnar.TAKE_ROWS'
+parquet_check
 
 echo "== pip install --dry-run .[bench,test]"
 pip_install --dry-run "$repo[bench,test]"

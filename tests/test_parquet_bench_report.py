@@ -340,6 +340,29 @@ def test_the_timeline_counts_stalls_and_the_pace_between_them():
     assert (stalled['stalls'], stalled['pace_ms']) == (1, 0)
 
 
+def test_the_cpu_per_batch_compares_the_compiled_take_with_pythons(tmp_path, capsys):
+    out = tmp_path / 'out'
+    assert cpu_per_batch.main(_tiny_dataset(tmp_path) + [
+        '--batches', '3', '--workers', '1', '--repeats', '1', '--methods', 'ours-memory',
+        '--take-rows', 'compiled,python', '--local-dir', str(tmp_path / 'local'),
+        '--out', str(out)]) == 0
+    runs = json.loads((out / 'cpu_per_batch.json').read_text())['runs']
+    # Each run's child process took rows as asked.
+    assert [(run['take_rows'], run['take_rows_function']) for run in runs] == [
+        ('compiled', 'take_rows'), ('python', 'take_rows_python')]
+    assert all(run['calls']['take'] >= 3 for run in runs)
+    lines = (out / 'table.txt').read_text().splitlines()
+    assert lines[3].split()[:2] == ['ours-memory', '1']
+    assert lines[4].split()[:4] == ['ours-memory', 'python', 'take', '1']
+    ratio = runs[0]['rows_per_s'] / runs[1]['rows_per_s']
+    assert lines[5] == ('ours-memory at 1 workers: {:.2f}x the rows/s with the compiled '
+                        'take as with the Python take'.format(ratio))
+    with pytest.raises(SystemExit):
+        cpu_per_batch.main(['--take-rows', 'compiled,c'])
+    assert "--take-rows: a list of compiled, python, got 'compiled,c'" in (
+        capsys.readouterr().err)
+
+
 def test_the_cpu_per_batch_refuses_methods_with_loader_processes(capsys):
     with pytest.raises(SystemExit):
         cpu_per_batch.main(['--methods', 'ours-memory,ours-local'])

@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow
 import pytest
 
+from chainer_prefetch import columnar
 from chainer_prefetch.columnar import VarColumn
 from chainer_prefetch.datasets import arrow_columns
 from chainer_prefetch.datasets.arrow_columns import StoredColumns, columns_of_table
@@ -78,8 +79,12 @@ def _assert_same_column(got, expected):
                 assert got_value == expected_value
 
 
+@pytest.mark.parametrize('take_rows', ['compiled', 'python'])
 @pytest.mark.parametrize('rows_per_batch', [ROWS, 7, 1])
-def test_rows_taken_equal_arrows_take_of_the_joined_table(rows_per_batch):
+def test_rows_taken_equal_arrows_take_of_the_joined_table(rows_per_batch, take_rows,
+                                                          monkeypatch):
+    if take_rows == 'python':  # what StoredRows does where nothing was compiled
+        monkeypatch.setattr(columnar, 'TAKE_ROWS', columnar.take_rows_python)
     table = _table()
     stored = StoredColumns(_in_batches(table, rows_per_batch), table.column_names)
     rng = np.random.default_rng(1)
@@ -99,14 +104,13 @@ def test_large_values_stay_in_the_table_and_small_ones_are_joined():
     stored = StoredColumns(table, ['title', 'image', 'caption', 'tokens',
                                    'embedding', 'maybe', 'id', 'code', 'levels',
                                    'weights', 'mask'])
-    kinds = {name: type(column).__name__
-             for name, column in stored._columns.items()}
-    assert kinds == {'title': 'VarColumn', 'image': '_ChunkedValues',
-                     'caption': '_ChunkedValues', 'tokens': 'VarColumn',
-                     'embedding': '_ChunkedValues', 'maybe': '_ArrowColumn',
-                     'id': 'ndarray', 'code': 'VarColumn',
-                     'levels': 'VarColumn', 'weights': 'VarColumn',
-                     'mask': 'VarColumn'}
+    kinds = {name: _kind(column) for name, column in stored._columns.items()}
+    assert kinds == {'title': 'joined', 'image': 'in 8 batches',
+                     'caption': 'in 8 batches', 'tokens': 'joined',
+                     'embedding': 'in 8 batches', 'maybe': '_ArrowColumn',
+                     'id': 'ndarray', 'code': 'joined',
+                     'levels': 'joined', 'weights': 'joined',
+                     'mask': 'joined'}
     # A value taken from the table is a copy: the table can go.
     image = stored.take([3, 10]).get('image')
     start = image.values.ctypes.data
@@ -117,14 +121,23 @@ def test_large_values_stay_in_the_table_and_small_ones_are_joined():
     assert bytes(image[1]) == table.column('image')[10].as_py()
 
 
+def _kind(column) -> str:
+    """How StoredColumns keeps a column: 'joined' (one array of values),
+    'in N batches' (left in the table's record batches), or the class."""
+    if type(column).__name__ == '_VarValues':
+        return ('joined' if column.n_sources == 1
+                else 'in {} batches'.format(column.n_sources))
+    return type(column).__name__
+
+
 def test_the_threshold_between_large_and_small_values(monkeypatch):
     table = _in_batches(_table(), 7)
     monkeypatch.setattr(arrow_columns, 'LARGE_VALUE_BYTES', 10**6)
     joined = StoredColumns(table, ['image'])
     monkeypatch.setattr(arrow_columns, 'LARGE_VALUE_BYTES', 1)
     kept = StoredColumns(table, ['title'])
-    assert type(joined._columns['image']).__name__ == 'VarColumn'
-    assert type(kept._columns['title']).__name__ == '_ChunkedValues'
+    assert _kind(joined._columns['image']) == 'joined'
+    assert _kind(kept._columns['title']) == 'in 8 batches'
     rows = np.array([40, 2, 2, 33])
     expected = columns_of_table(_table().take(pyarrow.array(rows)),
                                 ['image', 'title'])

@@ -22,7 +22,7 @@ import pyarrow
 
 from chainer_prefetch.columnar import (
     Column,
-    RowSources,
+    StoredRows,
     VarColumn,
     concatenate_var,
     offsets_of,
@@ -193,7 +193,7 @@ class StoredColumns:
 
 
 def _stored_column(column: pyarrow.ChunkedArray
-                   ) -> Union[Column, '_ChunkedValues', '_ArrowColumn']:
+                   ) -> Union[Column, '_VarValues', '_ArrowColumn']:
     chunks = [chunk.dictionary_decode() if pyarrow.types.is_dictionary(
         chunk.type) else chunk for chunk in column.chunks]
     kinds = {_kind_of(chunk) for chunk in chunks}
@@ -203,26 +203,27 @@ def _stored_column(column: pyarrow.ChunkedArray
     if kinds == {'number'}:
         return numpy.concatenate(parts)
     if sum(part.nbytes for part in parts) < LARGE_VALUE_BYTES * len(column):
-        return concatenate_var(parts)
-    return _ChunkedValues(parts)
+        parts = [concatenate_var(parts)]
+    return _VarValues(parts)
 
 
-class _ChunkedValues:
-    """A variable-length column of large values left in its record batches."""
+class _VarValues:
+    """A variable-length column: one joined part, or large values left in
+    its record batches (one part each)."""
 
     def __init__(self, parts: Sequence[VarColumn]):
-        self._values = RowSources([part.values for part in parts])
-        self._starts = numpy.concatenate([part.offsets[:-1] for part in parts])
-        self._lengths = numpy.concatenate([part.lengths() for part in parts])
-        self._chunk = numpy.repeat(numpy.arange(len(parts)),
-                                   [len(part) for part in parts])
+        self._rows = StoredRows(
+            [part.values for part in parts],
+            numpy.concatenate([part.offsets[:-1] for part in parts]),
+            numpy.concatenate([part.offsets[1:] for part in parts]),
+            None if len(parts) == 1 else numpy.repeat(
+                numpy.arange(len(parts)), [len(part) for part in parts]))
         self._kind = parts[0].kind
+        self.n_sources = len(parts)
 
     def take(self, rows: numpy.ndarray) -> VarColumn:
-        lengths = self._lengths[rows]
-        offsets = offsets_of(lengths)
-        return VarColumn(offsets, self._values.copy(
-            self._chunk[rows], self._starts[rows], lengths), self._kind)
+        offsets, values = self._rows.take(rows)
+        return VarColumn(offsets, values, self._kind)
 
 
 class _ArrowColumn:

@@ -35,6 +35,11 @@ When the batches come, from the time the training loop gets each:
   ahead and the waits for the GIL; ``arrow-threads`` decodes otherwise,
   and shows 0).
 
+``--take-rows compiled,python`` runs each method both with the compiled
+``chainer_prefetch._take_rows`` and with its Python equivalent
+(``chainer_prefetch.columnar.TAKE_ROWS``; rows labelled ``python take``),
+and gives the ratio of their rows/s.
+
 Per-batch figures divide by the batches consumed (calls for batches
 prefetched but not consumed count too, about 0.5% at 1,000 batches); each
 clock adds 1-2 us to its call.  Only methods whose loaders are threads of
@@ -47,6 +52,7 @@ table gives medians::
 import argparse
 import collections
 import functools
+import itertools
 import shutil
 import statistics
 import sys
@@ -92,6 +98,8 @@ COLUMNS = (('rows_per_s', 'rows/s', '{:.0f}'),
            ('stalled_s', 'stalled s', '{:.2f}'),
            ('pace_ms', 'pace ms/b', '{:.2f}'),
            ('decode_s', 'decode s', '{:.3f}'))
+#: ``--take-rows`` values: what ``chainer_prefetch.columnar.TAKE_ROWS`` is set to.
+TAKE_ROWS = ('compiled', 'python')
 #: A wait between two batches longer than this is a stall.
 STALL_SECONDS = 0.02
 
@@ -192,7 +200,14 @@ def run_one(config: Dict) -> Dict:
     """
     import importlib
 
+    from chainer_prefetch import columnar
     from chainer_prefetch_bench.parquet import bench
+    take_rows = config.get('take_rows', 'compiled')
+    if take_rows == 'python':
+        columnar.TAKE_ROWS = columnar.take_rows_python
+    elif columnar.TAKE_ROWS is columnar.take_rows_python:
+        raise RuntimeError('chainer_prefetch._take_rows was not built (no C compiler '
+                           'at installation?): the compiled take cannot be timed')
     clocks = ThreadClocks()
     for label, (module, owner, name) in CLOCKED.items():
         module = importlib.import_module(module)
@@ -209,8 +224,9 @@ def run_one(config: Dict) -> Dict:
     pipeline = sum(us.get(label, 0.0) for label in PIPELINE)
     cpu = 1e6 * result['cpu_s'] / batches
     return {'method': config['method'], 'workers': config['workers'],
-            'rows_per_s': result['rows_per_s'], 'seconds': result['seconds'],
-            'cpu_s': result['cpu_s'],
+            'take_rows': take_rows, 'take_rows_function': columnar.TAKE_ROWS.__name__,
+            'rows_per_s': result['rows_per_s'],
+            'seconds': result['seconds'], 'cpu_s': result['cpu_s'],
             'cpu_us': round(cpu, 1), 'cut_us': round(cut, 1),
             'take_us': round(us.get('take', 0.0), 1),
             'scheduler_us': round(scheduler, 1),
@@ -223,24 +239,39 @@ def run_one(config: Dict) -> Dict:
             'calls': dict(clocks.calls)}
 
 
+def label(run: Dict) -> str:
+    """The method, with ``python take`` when rows were taken in Python."""
+    return run['method'] + (' python take' if run.get('take_rows') == 'python' else '')
+
+
 def format_table(runs: List[Dict]) -> str:
     """Medians per method and worker count, in the order the runs came.
+
+    With runs of both ``take_rows`` values, a line per method and worker
+    count gives the ratio of their median rows/s.
 
     Args:
         runs: What :func:`run_one` returned, every repeat.
     """
-    keys = list(dict.fromkeys((run['method'], run['workers']) for run in runs))
+    keys = list(dict.fromkeys((label(run), run['workers']) for run in runs))
     widths = [max(len(heading), 8) for _, heading, _ in COLUMNS]
-    lines = ['{:<14} {:>7} {}   (medians of {} runs)'.format(
+    lines = ['{:<26} {:>7} {}   (medians of {} runs)'.format(
         'method', 'workers', ' '.join(heading.rjust(width) for (_, heading, _), width
                                       in zip(COLUMNS, widths)),
-        sum((run['method'], run['workers']) == keys[0] for run in runs))]
+        sum((label(run), run['workers']) == keys[0] for run in runs))]
+    medians = {}
     for method, workers in keys:
-        mine = [run for run in runs
-                if (run['method'], run['workers']) == (method, workers)]
+        mine = [run for run in runs if (label(run), run['workers']) == (method, workers)]
+        medians[method, workers] = statistics.median(run['rows_per_s'] for run in mine)
         cells = [form.format(statistics.median(run[field] for run in mine)).rjust(width)
                  for (field, _, form), width in zip(COLUMNS, widths)]
-        lines.append('{:<14} {:>7} {}'.format(method, workers, ' '.join(cells)))
+        lines.append('{:<26} {:>7} {}'.format(method, workers, ' '.join(cells)))
+    for method, workers in keys:
+        python = medians.get((method + ' python take', workers))
+        if python:
+            lines.append('{} at {} workers: {:.2f}x the rows/s with the compiled take '
+                         'as with the Python take'.format(
+                             method, workers, medians[method, workers] / python))
     return '\n'.join(lines)
 
 
@@ -258,9 +289,16 @@ def main(argv=None) -> int:
     parser.add_argument('--batches', type=int, default=1000)
     parser.add_argument('--repeats', type=int, default=5)
     parser.add_argument('--local-dir', default='/dev/shm/bench_parquet_local')
+    parser.add_argument('--take-rows', default='compiled',
+                        help='how rows are taken: compiled, python, or both '
+                        '(compiled,python) side by side')
     parser.add_argument('--out', default=None,
                         help='folder for cpu_per_batch.json and table.txt')
     args = parser.parse_args(argv)
+    takes = args.take_rows.split(',')
+    if not takes or any(take not in TAKE_ROWS for take in takes):
+        parser.error('--take-rows: a list of {}, got {!r}'.format(
+            ', '.join(TAKE_ROWS), args.take_rows))
     methods = args.methods.split(',')
     elsewhere = [method for method in methods if method not in IN_PROCESS_METHODS]
     if elsewhere:
@@ -272,16 +310,17 @@ def main(argv=None) -> int:
     runs = []
     for _ in range(args.repeats):
         for workers in [int(count) for count in args.workers.split(',')]:
-            for method in methods:
+            for method, take in itertools.product(methods, takes):
                 shutil.rmtree(args.local_dir, ignore_errors=True)
                 drop_page_cache(dataset)
-                run = run_in_child(__spec__.name, bench.run_config(
-                    method, workers, dataset, args.batches, args.local_dir,
-                    sizes), timeout=600)
+                config = bench.run_config(method, workers, dataset, args.batches,
+                                          args.local_dir, sizes)
+                run = run_in_child(__spec__.name, dict(config, take_rows=take),
+                                   timeout=600)
                 runs.append(run)
-                print('{method:<14} {workers} workers: {rows_per_s:8.0f} rows/s, '
-                      'CPU {cpu_us:.0f} us a batch: cut {cut_us:.0f}, take '
-                      '{take_us:.0f}, scheduler {scheduler_us:.0f}, pipeline '
+                print('{:<26} '.format(label(run)) + '{workers} workers: '
+                      '{rows_per_s:8.0f} rows/s, CPU {cpu_us:.0f} us a batch: cut '
+                      '{cut_us:.0f}, take {take_us:.0f}, scheduler {scheduler_us:.0f}, pipeline '
                       '{pipeline_us:.0f}, rest {rest_us:.0f}; first batch '
                       '{first_batch_s:.2f} s, {stalls} stalls ({stalled_s:.2f} '
                       's), {pace_ms:.2f} ms a batch between the others'.format(**run),
