@@ -257,8 +257,10 @@ class StoredRows:
         self._arrays = [numpy.ascontiguousarray(source, self.dtype) for source in sources]
         self._bytes = None if self.dtype.hasobject else [
             memoryview(source.view(numpy.uint8)) for source in self._arrays]
-        self._starts, self._ends = _int64(starts), _int64(ends)
-        self._source_of_row = None if source_of_row is None else _int64(source_of_row)
+        # Copies of their own, read-only: what was checked stays so.
+        self._starts, self._ends = _checked_copy(starts), _checked_copy(ends)
+        self._source_of_row = (None if source_of_row is None
+                               else _checked_copy(source_of_row))
         lengths = {len(self._starts), len(self._ends),
                    len(self._starts if source_of_row is None else self._source_of_row)}
         if len(lengths) != 1:
@@ -297,8 +299,12 @@ class StoredRows:
 
         Raises:
             IndexError: a row out of range, named.
+            ValueError: ``rows`` is not one-dimensional.
         """
         rows = _int64(rows)
+        if rows.ndim != 1:
+            raise ValueError('rows must be one-dimensional, not of shape {}'.format(
+                rows.shape))
         if self._bytes is None:  # references, not bytes, to copy
             _check_rows(rows, len(self))
             starts, ends = self._starts[rows], self._ends[rows]
@@ -357,6 +363,13 @@ def _check_rows(rows: numpy.ndarray, count: int) -> None:
     if bad.any():
         raise IndexError('row {} out of range for {} rows'.format(
             int(rows[numpy.flatnonzero(bad)[0]]), count))
+
+
+def _checked_copy(values) -> numpy.ndarray:
+    """A read-only ``int64`` copy of ``values``."""
+    copy = numpy.array(values, dtype=numpy.int64)
+    copy.flags.writeable = False
+    return copy
 
 
 def _int64(values) -> numpy.ndarray:
