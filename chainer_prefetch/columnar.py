@@ -310,13 +310,9 @@ class StoredRows:
             raise ValueError('rows must be one-dimensional, not of shape {}'.format(
                 rows.shape))
         if self._bytes is None:  # references, not bytes, to copy
-            _check_rows(rows, len(self))
-            starts, ends = self._starts[rows], self._ends[rows]
-            return offsets_of(ends - starts), numpy.concatenate(
-                [numpy.empty(0, self.dtype)] + [source[start:end] for source, start, end in zip(
-                    _each_row(self._arrays, None if self._source_of_row is None
-                              else self._source_of_row[rows]),
-                    starts.tolist(), ends.tolist())])
+            offsets, slices = _row_slices(self._arrays, self._source_of_row,
+                                          self._starts, self._ends, rows)
+            return offsets, numpy.concatenate([numpy.empty(0, self.dtype)] + slices)
         offsets, values = TAKE_ROWS(self._bytes, self._source_of_row, self._starts,
                                     self._ends, rows, self.dtype.itemsize)
         return (numpy.frombuffer(offsets, numpy.int64),
@@ -346,14 +342,8 @@ def take_rows_python(sources: List[memoryview], source_of_row: Optional[numpy.nd
     Raises:
         IndexError: a row out of range, named.
     """
-    _check_rows(rows, len(starts))
-    firsts, lasts = starts[rows], ends[rows]
-    offsets = offsets_of(lasts - firsts)
-    if width != 1:  # positions of values to positions of bytes
-        firsts, lasts = firsts * width, lasts * width
-    return offsets, bytearray().join([source[first:last] for source, first, last in zip(
-        _each_row(sources, None if source_of_row is None else source_of_row[rows]),
-        firsts.tolist(), lasts.tolist())])
+    offsets, slices = _row_slices(sources, source_of_row, starts, ends, rows, width)
+    return offsets, bytearray().join(slices)
 
 
 #: What :meth:`StoredRows.take` calls: the compiled ``take_rows`` where it is
@@ -381,11 +371,34 @@ def _int64(values) -> numpy.ndarray:
     return numpy.ascontiguousarray(values, dtype=numpy.int64)
 
 
-def _each_row(sources: list, source_of_row: Optional[numpy.ndarray]):
-    """Each row's source: the first for every row when ``source_of_row`` is ``None``."""
-    if source_of_row is None:
-        return itertools.repeat(sources[0])
-    return map(sources.__getitem__, source_of_row.tolist())
+def _row_slices(sources: list, source_of_row: Optional[numpy.ndarray], starts: numpy.ndarray,
+                ends: numpy.ndarray, rows: numpy.ndarray, width: int = 1):
+    """The offsets of stored rows ``rows`` and their slices of their sources.
+
+    Args:
+        sources: Arrays (``width`` 1) or their bytes (``width`` bytes a value).
+        source_of_row: For each stored row, its source (``None``: the first).
+        starts: For each stored row, where its values start.
+        ends: For each stored row, where its values end.
+        rows: The stored rows to take.
+        width: Bytes of one value when ``sources`` are bytes.
+
+    Returns:
+        ``(offsets, slices)``: the ``int64`` position (in values) of each
+        row once joined, and each row's slice, in order.
+
+    Raises:
+        IndexError: a row out of range, named.
+    """
+    _check_rows(rows, len(starts))
+    firsts, lasts = starts[rows], ends[rows]
+    offsets = offsets_of(lasts - firsts)
+    if width != 1:  # positions of values to positions of bytes
+        firsts, lasts = firsts * width, lasts * width
+    each = (itertools.repeat(sources[0]) if source_of_row is None
+            else map(sources.__getitem__, source_of_row[rows].tolist()))
+    return offsets, [source[first:last] for source, first, last
+                     in zip(each, firsts.tolist(), lasts.tolist())]
 
 
 class ColumnarBatch(collections.abc.Sequence):
