@@ -278,9 +278,26 @@ def test_the_read_cost_table_gives_medians_and_ratios():
                                          ('read', 4.0, 0.4), ('populate', 1.5, 0.1),
                                          ('read', 3.0, 0.6), ('populate', 9.0, 0.3))]
     lines = read_cost.format_table(runs).splitlines()
-    assert lines[1].split() == ['read', '3.000', '1.000', '0.600']
-    assert lines[2].split() == ['populate', '1.500', '1.000', '0.200']
-    assert lines[3].split() == ['ratio', '0.50x', '1.00x', '0.33x']
+    # (runs of an earlier version have no read_s: 0)
+    assert lines[1].split() == ['read', '3.000', '0.000', '1.000', '0.600']
+    assert lines[2].split() == ['populate', '1.500', '0.000', '1.000', '0.200']
+    assert lines[3].split() == ['ratio', '0.50x', '0.00x', '1.00x', '0.33x']
+
+
+def test_the_read_cost_compares_the_threads_reading_local_files(tmp_path, capsys):
+    out = tmp_path / 'out'
+    assert read_cost.main(_tiny_dataset(tmp_path) + [
+        '--row-groups', '2', '--repeats', '1', '--local-read-threads', '1,3',
+        '--out', str(out)]) == 0
+    runs = json.loads((out / 'read_cost.json').read_text())['runs']
+    assert [(run['way'], run['local_read_threads'], run['read_threads'])
+            for run in runs] == [('read', 1, 1), ('populate', 1, 1),
+                                 ('read', 3, 3), ('populate', 3, 3)]
+    assert all(0 < run['read_s'] <= run['seconds'] for run in runs)
+    lines = (out / 'table.txt').read_text().splitlines()
+    names = [' '.join(line.split()[:-4]) for line in lines[3:]]
+    assert names == ['read 1 threads', 'populate 1 threads', 'ratio 1 threads',
+                     'read 3 threads', 'populate 3 threads', 'ratio 3 threads']
 
 
 @pytest.mark.timeout(300)
@@ -355,12 +372,36 @@ def test_the_cpu_per_batch_compares_the_compiled_take_with_pythons(tmp_path, cap
     assert lines[3].split()[:2] == ['ours-memory', '1']
     assert lines[4].split()[:4] == ['ours-memory', 'python', 'take', '1']
     ratio = runs[0]['rows_per_s'] / runs[1]['rows_per_s']
-    assert lines[5] == ('ours-memory at 1 workers: {:.2f}x the rows/s with the compiled '
-                        'take as with the Python take'.format(ratio))
+    assert lines[5] == ('ours-memory at 1 workers: {:.2f}x the rows/s of ours-memory '
+                        'python take'.format(ratio))
     with pytest.raises(SystemExit):
         cpu_per_batch.main(['--take-rows', 'compiled,c'])
     assert "--take-rows: a list of compiled, python, got 'compiled,c'" in (
         capsys.readouterr().err)
+
+
+def test_the_cpu_per_batch_compares_the_threads_reading_local_files(tmp_path, capsys):
+    out = tmp_path / 'out'
+    assert cpu_per_batch.main(_tiny_dataset(tmp_path) + [
+        '--batches', '3', '--workers', '1', '--repeats', '1', '--methods', 'ours-memory',
+        '--local-read-threads', '2,8', '--local-dir', str(tmp_path / 'local'),
+        '--out', str(out)]) == 0
+    runs = json.loads((out / 'cpu_per_batch.json').read_text())['runs']
+    # The dataset is on this machine's disk: each child read it with the
+    # threads asked for.
+    assert [(run['local_read_threads'], run['read_threads']) for run in runs] == [
+        (2, 2), (8, 8)]
+    lines = (out / 'table.txt').read_text().splitlines()
+    assert lines[3].split()[:5] == ['ours-memory', '2', 'read', 'threads', '1']
+    assert lines[4].split()[:5] == ['ours-memory', '8', 'read', 'threads', '1']
+    ratio = runs[0]['rows_per_s'] / runs[1]['rows_per_s']
+    assert lines[5] == ('ours-memory 2 read threads at 1 workers: {:.2f}x the rows/s '
+                        'of ours-memory 8 read threads'.format(ratio))
+    for bad in ('0,2', 'two'):
+        with pytest.raises(SystemExit):
+            cpu_per_batch.main(['--local-read-threads', bad])
+        assert 'argument --local-read-threads: a list of positive counts, got {!r}'.format(
+            bad) in capsys.readouterr().err
 
 
 def test_the_cpu_per_batch_refuses_methods_with_loader_processes(capsys):

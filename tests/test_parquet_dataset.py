@@ -287,7 +287,8 @@ def test_column_chunks_are_faulted_into_the_mapping_not_copied(shop, monkeypatch
     columns = ['image', 'id']
     _, chunks = parquet_module._selected_chunks(metadata, 1, columns)
     ranges = parquet_module.chunk_ranges(chunks, os.path.getsize(path))
-    pieces = parquet_module.pieces_to_read(ranges)
+    pieces = parquet_module.pieces_to_read(
+        ranges, parquet_module.read_threads_for(path))
     assert len(pieces) > len(ranges) > 0
     arrows = pyarrow.parquet.ParquetFile(path).read_row_group(1, columns=columns)
     read_at = []

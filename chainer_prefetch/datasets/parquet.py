@@ -82,6 +82,7 @@ from chainer_prefetch.errors import (
     ParquetSchemaError,
     example_load_error,
 )
+from chainer_prefetch.staging.file_systems import on_node_local_storage, read_mounts
 from chainer_prefetch.staging.sources import DerivedFile, ReadAhead
 
 Paths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
@@ -395,8 +396,16 @@ def _selected_chunks(metadata, row_group: int, columns: Sequence[str]):
 
 #: Reads of a row group's bytes go in pieces of at least this many bytes...
 READ_PIECE_BYTES = 4 << 20
-#: ... at most this many at a time.
+#: ... at most this many at a time from shared storage (or storage of an
+#: unknown kind), where each stream waits its latency ...
 READ_THREADS = 8
+#: ... and this many from a node-local file system (see
+#: :mod:`chainer_prefetch.staging.file_systems`), where more streams only
+#: make the disk seek: on the benchmark's local disk, a 110 MB row group
+#: took 108 ms to read with 8 streams, 85 ms with 2 and 76 ms with one, and
+#: its pipeline ran fastest with 2 (results/parquet/README.md,
+#: ``local_read_threads``).
+LOCAL_READ_THREADS = 2
 #: The footers of a dataset's files are read this many at a time: on
 #: shared storage each read waits its latency (8 files through the emulated
 #: shared storage, measured once: 0.20 s one after the other, 0.03 s so).
@@ -487,7 +496,9 @@ def _read_into_page_cache(fd: int, ranges: Sequence[Tuple[int, int]],
     far below their bandwidth: each request waits its latency.  Reading
     several pieces at once hides that latency (through the emulated shared
     storage: 0.9 s instead of 2.0 s for 88 MB with one stream, and 3.0-3.4 s
-    for PyArrow's own reads of the same row group).
+    for PyArrow's own reads of the same row group).  A node-local disk
+    reads best in one or two streams: there, fewer pieces are read at once
+    (:func:`read_threads_for`).
 
     With the file ``mapped``, each piece's pages are faulted into the
     mapping (``madvise(MADV_POPULATE_READ)``, Linux 5.14): the kernel reads
@@ -508,7 +519,7 @@ def _read_into_page_cache(fd: int, ranges: Sequence[Tuple[int, int]],
     Args:
         fd: The file, open for reading.
         ranges: ``(start, end)`` byte ranges to read.
-        path: The file's path, for errors.
+        path: The file's path, for errors and to choose the threads.
         mapped: The whole file, memory-mapped, or ``None``.
 
     Raises:
@@ -527,24 +538,47 @@ def _read_into_page_cache(fd: int, ranges: Sequence[Tuple[int, int]],
                               'column chunk (up to {})'.format(at, end), path)
             at += got
 
-    map_in_threads(read_piece, pieces_to_read(ranges), READ_THREADS, 'read')
+    threads = read_threads_for(path)
+    map_in_threads(read_piece, pieces_to_read(ranges, threads), threads, 'read')
 
 
-def pieces_to_read(ranges: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
+@functools.lru_cache(maxsize=1024)
+def _directory_is_node_local(directory: str) -> bool:
+    return on_node_local_storage(directory, read_mounts())
+
+
+def read_threads_for(path: str) -> int:
+    """How many threads read a row group of the file ``path`` at once.
+
+    :data:`LOCAL_READ_THREADS` on a node-local file system,
+    :data:`READ_THREADS` elsewhere.  The mount table is read once per
+    directory in each process.
+
+    Args:
+        path: A Parquet file.
+    """
+    if _directory_is_node_local(os.path.dirname(os.path.abspath(path))):
+        return LOCAL_READ_THREADS
+    return READ_THREADS
+
+
+def pieces_to_read(ranges: Sequence[Tuple[int, int]], threads: int
+                   ) -> List[Tuple[int, int]]:
     """The pieces :func:`_read_into_page_cache` reads, at once, of ``ranges``.
 
-    Each range is cut into up to :data:`READ_THREADS` pieces of at least
+    Each range is cut into up to ``threads`` pieces of at least
     :data:`READ_PIECE_BYTES` (a shorter range is one piece).
 
     Args:
         ranges: ``(start, end)`` byte ranges of a file.
+        threads: The threads that read them (:func:`read_threads_for`).
 
     Returns:
         ``(start, end)`` of each piece, in the ranges' order.
     """
     pieces = []
     for start, end in ranges:
-        count = max(1, min(READ_THREADS, (end - start) // READ_PIECE_BYTES))
+        count = max(1, min(threads, (end - start) // READ_PIECE_BYTES))
         bounds = [start + (end - start) * k // count for k in range(count + 1)]
         pieces += zip(bounds, bounds[1:])
     return pieces

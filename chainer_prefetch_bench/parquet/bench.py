@@ -814,6 +814,30 @@ def add_dataset_arguments(parser: argparse.ArgumentParser, rows: int = 400000,
     parser.add_argument('--image-size', type=int, default=96)
 
 
+def add_read_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """``--local-read-threads``: the product's threads reading a row group
+    from a node-local file system, a list of counts run side by side
+    (``args.local_read_threads``; ``[None]``: the product's default).
+
+    Args:
+        parser: The parser to add it to.
+    """
+    def counts(value: str) -> List[Optional[int]]:
+        try:
+            parsed = [int(count) for count in value.split(',')] if value else [None]
+        except ValueError:
+            parsed = [0]
+        if any(count is not None and count < 1 for count in parsed):
+            raise argparse.ArgumentTypeError(
+                'a list of positive counts, got {!r}'.format(value))
+        return parsed
+
+    parser.add_argument('--local-read-threads', type=counts, default=[None],
+                        help='threads reading a row group from a node-local '
+                        'file system, a list side by side (2,8); default: '
+                        "the product's")
+
+
 def generated_dataset(args: argparse.Namespace) -> str:
     """The dataset of :func:`add_dataset_arguments`' options: its folder (made if missing)."""
     return _generated(args.workdir, args.rows, args.files, args.row_group_mb,
@@ -1077,16 +1101,8 @@ def _measure(config, dataset_dir, local_dir, timeout, petastorm_python=None):
 
 def _on_tmpfs(directory: str) -> bool:
     """Whether ``directory`` (or the folder it will be made in) is a tmpfs."""
-    path = os.path.abspath(directory)
-    best, kind = '', ''
-    with open('/proc/mounts') as mounts:
-        for line in mounts:
-            fields = line.split()
-            point = fields[1]
-            if (path == point or path.startswith(point.rstrip('/') + '/')) \
-                    and len(point) > len(best):
-                best, kind = point, fields[2]
-    return kind == 'tmpfs'
+    from chainer_prefetch.staging.file_systems import mount_of, read_mounts
+    return mount_of(os.path.realpath(directory), read_mounts()).fs_type == 'tmpfs'
 
 
 def _bytes_under(directory: str) -> int:

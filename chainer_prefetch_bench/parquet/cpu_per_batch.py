@@ -38,7 +38,12 @@ When the batches come, from the time the training loop gets each:
 ``--take-rows compiled,python`` runs each method both with the compiled
 ``chainer_prefetch._take_rows`` and with its Python equivalent
 (``chainer_prefetch.columnar.TAKE_ROWS``; rows labelled ``python take``),
-and gives the ratio of their rows/s.
+and gives the ratio of their rows/s.  ``--local-read-threads 2,8`` likewise
+runs each with those threads reading a row group from a node-local file
+system (``chainer_prefetch.datasets.parquet.LOCAL_READ_THREADS``; rows
+labelled ``2 read threads``, ``8 read threads``); each run reports the
+threads that read its dataset (``read_threads``: where the dataset is not
+on node-local storage, ``READ_THREADS`` whatever the option).
 
 Per-batch figures divide by the batches consumed (calls for batches
 prefetched but not consumed count too, about 0.5% at 1,000 batches); each
@@ -201,7 +206,10 @@ def run_one(config: Dict) -> Dict:
     import importlib
 
     from chainer_prefetch import columnar
+    from chainer_prefetch.datasets import parquet
     from chainer_prefetch_bench.parquet import bench
+    if config.get('local_read_threads'):
+        parquet.LOCAL_READ_THREADS = config['local_read_threads']
     take_rows = config.get('take_rows', 'compiled')
     if take_rows == 'python':
         columnar.TAKE_ROWS = columnar.take_rows_python
@@ -225,6 +233,9 @@ def run_one(config: Dict) -> Dict:
     cpu = 1e6 * result['cpu_s'] / batches
     return {'method': config['method'], 'workers': config['workers'],
             'take_rows': take_rows, 'take_rows_function': columnar.TAKE_ROWS.__name__,
+            'local_read_threads': config.get('local_read_threads'),
+            'read_threads': parquet.read_threads_for(
+                parquet.find_parquet_files(config['source'])[0]),
             'rows_per_s': result['rows_per_s'],
             'seconds': result['seconds'], 'cpu_s': result['cpu_s'],
             'cpu_us': round(cpu, 1), 'cut_us': round(cut, 1),
@@ -240,20 +251,27 @@ def run_one(config: Dict) -> Dict:
 
 
 def label(run: Dict) -> str:
-    """The method, with ``python take`` when rows were taken in Python."""
-    return run['method'] + (' python take' if run.get('take_rows') == 'python' else '')
+    """The method, with ``python take`` when rows were taken in Python and
+    ``N read threads`` when ``--local-read-threads`` set them."""
+    return (run['method'] + (' python take' if run.get('take_rows') == 'python' else '')
+            + (' {} read threads'.format(run['local_read_threads'])
+               if run.get('local_read_threads') else ''))
 
 
 def format_table(runs: List[Dict]) -> str:
     """Medians per method and worker count, in the order the runs came.
 
-    With runs of both ``take_rows`` values, a line per method and worker
-    count gives the ratio of their median rows/s.
+    Where a method ran in several variants (``--take-rows``,
+    ``--local-read-threads``), a line per other variant and worker count
+    gives the first variant's median rows/s over its.
 
     Args:
         runs: What :func:`run_one` returned, every repeat.
     """
     keys = list(dict.fromkeys((label(run), run['workers']) for run in runs))
+    firsts = {}  # method -> the label of its first variant
+    for run in runs:
+        firsts.setdefault(run['method'], label(run))
     widths = [max(len(heading), 8) for _, heading, _ in COLUMNS]
     lines = ['{:<26} {:>7} {}   (medians of {} runs)'.format(
         'method', 'workers', ' '.join(heading.rjust(width) for (_, heading, _), width
@@ -266,12 +284,13 @@ def format_table(runs: List[Dict]) -> str:
         cells = [form.format(statistics.median(run[field] for run in mine)).rjust(width)
                  for (field, _, form), width in zip(COLUMNS, widths)]
         lines.append('{:<26} {:>7} {}'.format(method, workers, ' '.join(cells)))
-    for method, workers in keys:
-        python = medians.get((method + ' python take', workers))
-        if python:
-            lines.append('{} at {} workers: {:.2f}x the rows/s with the compiled take '
-                         'as with the Python take'.format(
-                             method, workers, medians[method, workers] / python))
+    methods = {label(run): run['method'] for run in runs}
+    for variant, workers in keys:
+        first = firsts[methods[variant]]
+        if variant != first and (first, workers) in medians:
+            lines.append('{} at {} workers: {:.2f}x the rows/s of {}'.format(
+                first, workers, medians[first, workers] / medians[variant, workers],
+                variant))
     return '\n'.join(lines)
 
 
@@ -292,6 +311,7 @@ def main(argv=None) -> int:
     parser.add_argument('--take-rows', default='compiled',
                         help='how rows are taken: compiled, python, or both '
                         '(compiled,python) side by side')
+    bench.add_read_threads_argument(parser)
     parser.add_argument('--out', default=None,
                         help='folder for cpu_per_batch.json and table.txt')
     args = parser.parse_args(argv)
@@ -310,13 +330,14 @@ def main(argv=None) -> int:
     runs = []
     for _ in range(args.repeats):
         for workers in [int(count) for count in args.workers.split(',')]:
-            for method, take in itertools.product(methods, takes):
+            for method, take, threads in itertools.product(
+                    methods, takes, args.local_read_threads):
                 shutil.rmtree(args.local_dir, ignore_errors=True)
                 drop_page_cache(dataset)
                 config = bench.run_config(method, workers, dataset, args.batches,
                                           args.local_dir, sizes)
-                run = run_in_child(__spec__.name, dict(config, take_rows=take),
-                                   timeout=600)
+                run = run_in_child(__spec__.name, dict(
+                    config, take_rows=take, local_read_threads=threads), timeout=600)
                 runs.append(run)
                 print('{:<26} '.format(label(run)) + '{workers} workers: '
                       '{rows_per_s:8.0f} rows/s, CPU {cpu_us:.0f} us a batch: cut '

@@ -13,10 +13,17 @@ process's own CPU clocks::
     python -m chainer_prefetch_bench.parquet.read_cost --out results/parquet/read_cost
 
 The runs alternate (``read``, ``populate``, ``read``, ...); the table gives
-medians of ``--repeats`` runs and their ratios.
+medians of ``--repeats`` runs and their ratios.  ``--local-read-threads
+1,2,8`` runs both ways with each count of threads reading a row group
+from a node-local file system (``LOCAL_READ_THREADS``), side by side; the
+``read s`` column is the wall time of the reads ahead alone::
+
+    python -m chainer_prefetch_bench.parquet.read_cost --local-read-threads 1,2,8 \\
+        --out results/parquet/read_threads
 """
 import argparse
 import glob
+import itertools
 import os
 import resource
 import statistics
@@ -40,7 +47,8 @@ def run_one(config: Dict) -> Dict:
 
     Args:
         config: ``way`` (one of :data:`WAYS`), ``dataset`` (a folder of
-            Parquet files), ``row_groups`` (how many, file after file).
+            Parquet files), ``row_groups`` (how many, file after file),
+            ``local_read_threads`` (``None``: the product's).
     """
     import pyarrow.parquet
 
@@ -49,38 +57,56 @@ def run_one(config: Dict) -> Dict:
     columns = [name for name in SCHEMA.names if name != 'tokens']  # as the benchmark
     if config['way'] == 'read':
         parquet._populate = lambda *args: False  # as where the kernel refuses
+    if config.get('local_read_threads'):
+        parquet.LOCAL_READ_THREADS = config['local_read_threads']
     files = sorted(glob.glob(os.path.join(config['dataset'], '*.parquet')))
     groups = [(path, pyarrow.parquet.read_metadata(path)) for path in files]
     staged = [(path, metadata, group) for path, metadata in groups
               for group in range(metadata.num_row_groups)][:config['row_groups']]
     kept = []
+    read_s = 0.0
     before, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     for path, metadata, group in staged:
         row_group = parquet.RowGroupFile(path, group, columns, metadata)
+        reading = time.perf_counter()
         ahead = row_group.read_ahead()
+        read_s += time.perf_counter() - reading
         kept.append(row_group.memory_form(row_group.load_from_origin(ahead.value)))
         del kept[:-KEPT]
     after = resource.getrusage(resource.RUSAGE_SELF)
     return {'way': config['way'], 'row_groups': len(staged),
+            'local_read_threads': config.get('local_read_threads'),
+            'read_threads': parquet.read_threads_for(files[0]),
             'seconds': round(time.perf_counter() - started, 3),
+            'read_s': round(read_s, 3),
             'user_s': round(after.ru_utime - before.ru_utime, 3),
             'kernel_s': round(after.ru_stime - before.ru_stime, 3)}
 
 
 def format_table(runs: List[Dict]) -> str:
-    """Medians of each way's runs, and ``populate`` over ``read``."""
-    fields = ('seconds', 'user_s', 'kernel_s')
-    medians = {way: {field: statistics.median(run[field] for run in runs
-                                              if run['way'] == way)
-                     for field in fields} for way in WAYS}
-    lines = ['way        wall s   user s kernel s  (medians of {} runs)'.format(
-        sum(run['way'] == WAYS[0] for run in runs))]
-    for way in WAYS:
-        lines.append('{:<8} {seconds:8.3f} {user_s:8.3f} {kernel_s:8.3f}'.format(
-            way, **medians[way]))
-    lines.append('{:<8} {}'.format('ratio', ' '.join(
-        '{:7.2f}x'.format(medians['populate'][field] / max(medians['read'][field], 1e-9))
-        for field in fields)))
+    """Medians of each way's runs (at each count of threads), and ``populate`` over ``read``.
+
+    Args:
+        runs: What :func:`run_one` returned, every repeat.
+    """
+    fields = ('seconds', 'read_s', 'user_s', 'kernel_s')
+    counts = list(dict.fromkeys(run.get('local_read_threads') for run in runs))
+    medians = {(way, count): {field: statistics.median(
+        run.get(field, 0.0) for run in runs
+        if (run['way'], run.get('local_read_threads')) == (way, count))
+        for field in fields} for way in WAYS for count in counts}
+    lines = ['way                 wall s   read s   user s kernel s  (medians of {} runs)'
+             .format(sum((run['way'], run.get('local_read_threads'))
+                         == (WAYS[0], counts[0]) for run in runs))]
+    for count in counts:
+        name = '' if count is None else ' {} threads'.format(count)
+        for way in WAYS:
+            lines.append('{:<18} {seconds:8.3f} {read_s:8.3f} {user_s:8.3f} '
+                         '{kernel_s:8.3f}'.format(way + name, **medians[way, count]))
+        lines.append('{:<18} {}'.format('ratio' + name, ' '.join(
+            '{:7.2f}x'.format(medians['populate', count][field]
+                              / max(medians['read', count][field], 1e-9))
+            for field in fields)))
     return '\n'.join(lines)
 
 
@@ -95,20 +121,22 @@ def main(argv=None) -> int:
                         help='row groups staged a run (default 9: those of '
                         "the Parquet benchmark's 1,000 batches)")
     parser.add_argument('--repeats', type=int, default=5)
+    bench.add_read_threads_argument(parser)
     parser.add_argument('--out', default=None,
                         help='folder for read_cost.json and table.txt')
     args = parser.parse_args(argv)
     dataset = bench.generated_dataset(args)
     runs = []
     for _ in range(args.repeats):
-        for way in WAYS:
+        for count, way in itertools.product(args.local_read_threads, WAYS):
             drop_page_cache(dataset)
             run = run_in_child(__spec__.name, {
-                'way': way, 'dataset': dataset,
-                'row_groups': args.row_groups}, timeout=600)
+                'way': way, 'dataset': dataset, 'row_groups': args.row_groups,
+                'local_read_threads': count}, timeout=600)
             runs.append(run)
-            print('{way:<8} {seconds:6.3f} s, user {user_s:.3f} s, kernel '
-                  '{kernel_s:.3f} s'.format(**run), flush=True)
+            print('{way:<8} {read_threads} threads: {seconds:6.3f} s (reads '
+                  '{read_s:.3f} s), user {user_s:.3f} s, kernel {kernel_s:.3f} s'
+                  .format(**run), flush=True)
     table = format_table(runs)
     print(table)
     if args.out:
