@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from chainer_prefetch_bench.parquet import bench, cpu_per_batch, read_cost
+from chainer_prefetch_bench.parquet import bench, cpu_per_batch, read_cost, run_history
 from chainer_prefetch_bench.testbed import processes
 
 
@@ -408,3 +408,26 @@ def test_the_cpu_per_batch_refuses_methods_with_loader_processes(capsys):
     with pytest.raises(SystemExit):
         cpu_per_batch.main(['--methods', 'ours-memory,ours-local'])
     assert 'ours-local cannot be clocked' in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_the_run_history_times_a_method_after_others_and_after_itself(tmp_path, capsys):
+    out = tmp_path / 'out'
+    assert run_history.main(_tiny_dataset(tmp_path) + [
+        '--batches', '3', '--repeats', '2', '--before', 'ours-threads',
+        '--local-dir', str(tmp_path / 'local'), '--out', str(out)]) == 0
+    runs = json.loads((out / 'run_history.json').read_text())['runs']
+    assert [(run['position'], run['method']) for run in runs] == [
+        ('before', 'ours-threads'), ('after', 'ours-memory'),
+        ('again', 'ours-memory')] * 2
+    assert all(run['rows'] == 300 and run['peak_pss_mb'] > 0 for run in runs)
+    lines = (out / 'table.txt').read_text().splitlines()
+    assert lines[3].split()[:3] == ['ours-memory', 'after', 'ours-threads']
+    assert lines[4].split()[:3] == ['ours-memory', 'after', 'itself']
+    after = sorted(run['rows_per_s'] for run in runs if run['position'] == 'after')
+    again = sorted(run['rows_per_s'] for run in runs if run['position'] == 'again')
+    assert lines[5] == 'after ours-threads / after itself: {:.2f}x'.format(
+        (after[0] + after[1]) / (again[0] + again[1]))
+    with pytest.raises(SystemExit):
+        run_history.main(['--before', 'petastorm'])
+    assert 'not a method of this environment: petastorm' in capsys.readouterr().err

@@ -109,7 +109,7 @@ from typing import Dict, List, Optional
 
 from chainer_prefetch_bench.parquet import petastorm_env
 from chainer_prefetch_bench.testbed import parquet_dataset, storage
-from chainer_prefetch_bench.testbed.machine import machine_description
+from chainer_prefetch_bench.testbed.machine import free_page_reporting, machine_description
 from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
 from chainer_prefetch_bench.testbed.processes import answer_child, exit_on_sigterm, run_in_child
 from chainer_prefetch_bench.testbed.report import write_json
@@ -960,6 +960,12 @@ def main(argv=None) -> int:
     summary = _dataset_summary(dataset_dir)
     print('dataset: {rows:,} rows, {files} files, {row_groups} row groups of '
           '{row_group_rows} rows, {gb:.2f} GB'.format(**summary), flush=True)
+    if free_page_reporting():
+        print('note: this virtual machine hands freed memory back to its host '
+              '(virtio-balloon free page reporting): memory taken afresh costs '
+              'more after runs that freed a lot, so a run depends on the runs '
+              'before it (docs/parquet.rst, "Memory handed back to the host")',
+              flush=True)
     files = sorted(glob.glob(os.path.join(dataset_dir, '*.parquet')))
     backends = compare_backends(files[:2] if len(files) > 2 else files)
     for row in backends:
@@ -986,7 +992,7 @@ def main(argv=None) -> int:
                 for method, window, memory, switch in _variants(args):
                     source = (mountpoint if method.endswith('-shared')
                               else dataset_dir)
-                    result = _measure(config_for(method, workers, args.batches,
+                    result = measure(config_for(method, workers, args.batches,
                                                  source, window, memory, switch),
                                       dataset_dir, local_dir, args.run_timeout,
                                       petastorm_python)
@@ -1000,7 +1006,7 @@ def main(argv=None) -> int:
                           flush=True)
     for method in args.growth_methods if args.growth else ():
         for factor in sorted({1, *args.growth}):
-            result = _measure(config_for(method, max(args.workers),
+            result = measure(config_for(method, max(args.workers),
                                          args.batches * factor, dataset_dir),
                               dataset_dir, local_dir, args.run_timeout * factor)
             growth_runs.append(result)
@@ -1019,7 +1025,7 @@ def main(argv=None) -> int:
                   'num_cached_parquet': args.num_cached_parquet,
                   'local_dir': local_dir,
                   'row_group_sizes': row_group_sizes(coverage_dir)}
-        result = _measure(config, coverage_dir, local_dir, args.run_timeout)
+        result = measure(config, coverage_dir, local_dir, args.run_timeout)
         coverage_runs.append(result)
         print('coverage {method}: {coverage_per_epoch}'.format(**result),
               flush=True)
@@ -1070,7 +1076,25 @@ def _generated(workdir: str, rows: int, files: int, row_group_mb: float,
     return directory
 
 
-def _measure(config, dataset_dir, local_dir, timeout, petastorm_python=None):
+def measure(config: Dict, dataset_dir: str, local_dir: str, timeout: float,
+            petastorm_python: Optional[str] = None) -> Dict:
+    """One timed run, as every run of the benchmark: in a fresh process, memory sampled.
+
+    The local directory is emptied and the dataset's page cache dropped
+    first; the directory's size is sampled while the run lasts.
+
+    Args:
+        config: The run (:func:`run_config`).
+        dataset_dir: The dataset (its page cache is dropped).
+        local_dir: Ours' local directory.
+        timeout: Seconds before the run is killed.
+        petastorm_python: The interpreter of Petastorm's environment, for
+            its methods.
+
+    Returns:
+        The run's result (:func:`run_one`), with ``peak_local_mb`` and
+        ``local_trace`` added.
+    """
     shutil.rmtree(local_dir, ignore_errors=True)
     drop_page_cache(dataset_dir)
     python = (petastorm_python if config['method'].startswith('petastorm')

@@ -1,0 +1,28 @@
+"""What the benchmarks record of the machine: the balloon's free page reporting."""
+import os
+
+from chainer_prefetch_bench.testbed import machine
+
+# A balloon's sysfs features: stats, deflate on OOM and free page reporting
+# (bits 1, 2, 5), as this project's virtual machines show them.
+REPORTING = '0110010100000000000000000000000010' + '0' * 94 + '\n'
+
+
+def test_the_reporting_bit_is_bit_five_from_the_left():
+    assert machine.reports_free_pages(REPORTING)
+    assert not machine.reports_free_pages('0110000100000000\n')
+    assert not machine.reports_free_pages('01100\n')  # too short to have it
+    assert not machine.reports_free_pages('')
+
+
+def test_a_bound_balloon_that_reports_makes_the_machine_report(tmp_path):
+    driver = tmp_path / 'virtio_balloon'
+    pattern = str(driver / 'virtio*')
+    assert not machine.free_page_reporting(pattern)  # no balloon at all
+    for name, features in (('virtio0', '0110000000\n'), ('virtio3', REPORTING)):
+        os.makedirs(str(driver / name))
+        (driver / name / 'features').write_text(features)
+    assert machine.free_page_reporting(pattern)
+    (driver / 'virtio3' / 'features').write_text('0110000000\n')
+    assert not machine.free_page_reporting(pattern)
+
