@@ -46,14 +46,31 @@ def test_a_line_that_is_not_a_mount_is_named():
     ('/home/user/data.parquet', '/', 'ext4'),
     ('/mnt/lustre', '/mnt/lustre', 'lustre'),
     ('/mnt/lustre/imagenet/part-0.parquet', '/mnt/lustre', 'lustre'),
-    ('/mnt/lustre2/part-0.parquet', '/mnt/lustre2', 'xfs'),  # not a prefix
-    ('/mnt/lustre_old/part-0.parquet', '/', 'ext4'),
+    ('/mnt/lustre2/part-0.parquet', '/mnt/lustre2', 'xfs'),
+    ('/mnt/lustre_old/part-0.parquet', '/', 'ext4'),  # /mnt/lustre: no prefix
     ('/mnt/my data/part-0.parquet', '/mnt/my data', 'nfs4'),
     ('/dev/shm/x', '/dev/shm', 'fuse.emulated'),  # the last mounted of a stack
 ])
 def test_a_path_is_on_the_deepest_mount_above_it(path, point, fs_type):
     mounts = file_systems.parse_mountinfo(MOUNTINFO)
     assert file_systems.mount_of(path, mounts) == Mount(point, fs_type)
+
+
+def test_a_mount_made_later_over_a_point_above_hides_the_one_below():
+    mounts = [Mount('/', 'ext4'), Mount('/mnt/data', 'nfs4'), Mount('/mnt', 'tmpfs')]
+    assert file_systems.mount_of('/mnt/data/x', mounts) == Mount('/mnt', 'tmpfs')
+    mounts = [Mount('/', 'ext4'), Mount('/mnt', 'tmpfs'), Mount('/mnt/data', 'nfs4')]
+    assert file_systems.mount_of('/mnt/data/x', mounts) == Mount('/mnt/data', 'nfs4')
+    assert file_systems.mount_of('/mnt/x', mounts) == Mount('/mnt', 'tmpfs')
+
+
+def test_mount_points_are_decoded_as_paths_are(tmp_path):
+    table = tmp_path / 'mountinfo'
+    table.write_bytes(b'27 1 254:0 / / rw - ext4 /dev/vda rw\n'
+                      b'40 27 0:40 / /mnt/caf\xe9 rw - lustre fs rw\n')
+    mounts = file_systems.read_mounts(str(table))
+    assert mounts[1] == Mount(os.fsdecode(b'/mnt/caf\xe9'), 'lustre')
+    assert file_systems.mount_of(os.fsdecode(b'/mnt/caf\xe9/x'), mounts).fs_type == 'lustre'
 
 
 def test_no_mount_table_means_no_mount():
@@ -94,11 +111,44 @@ def _threads_of_a_read(path, monkeypatch):
     return [threads for name, threads in used if name == 'read']
 
 
+def _skip_unless_node_local(path):
+    if not file_systems.on_node_local_storage(str(path), file_systems.read_mounts()):
+        pytest.skip('{} is not on a node-local file system here'.format(path))
+
+
+@pytest.fixture
+def mount_table(monkeypatch):
+    """Gives the dataset module a mount table of the test's own (the answers
+    per directory forgotten before and after)."""
+    def use(mounts):
+        monkeypatch.setattr(parquet_module, 'read_mounts', lambda: list(mounts))
+        parquet_module._directory_is_node_local.cache_clear()
+
+    yield use
+    parquet_module._directory_is_node_local.cache_clear()
+
+
+def test_the_threads_follow_the_mount_table(tmp_path, mount_table):
+    shared, local = tmp_path / 'lustre', tmp_path / 'scratch'
+    path = _parquet_file(shared)
+    _parquet_file(local)
+    link = local / 'linked.parquet'
+    os.symlink(path, str(link))
+    mount_table([Mount('/', 'ext4'), Mount(str(shared), 'lustre')])
+    assert parquet_module.read_threads_for(path) == parquet_module.READ_THREADS
+    # A link on local storage to a file on the shared one: the file counts.
+    assert parquet_module.read_threads_for(str(link)) == parquet_module.READ_THREADS
+    assert parquet_module.read_threads_for(
+        str(local / 'part-0.parquet')) == parquet_module.LOCAL_READ_THREADS
+    mount_table([])  # no table (no /proc): every file counts as shared
+    assert parquet_module.read_threads_for(
+        str(local / 'part-0.parquet')) == parquet_module.READ_THREADS
+
+
 def test_this_machines_disk_is_read_with_the_local_threads(tmp_path, monkeypatch):
+    _skip_unless_node_local(tmp_path)
     path = _parquet_file(tmp_path / 'disk')
-    mounts = file_systems.read_mounts()
-    assert file_systems.mount_of(str(tmp_path), mounts).fs_type in (
-        file_systems.NODE_LOCAL_TYPES)
+    parquet_module._directory_is_node_local.cache_clear()
     assert parquet_module.read_threads_for(path) == parquet_module.LOCAL_READ_THREADS
     assert _threads_of_a_read(path, monkeypatch) == [
         parquet_module.LOCAL_READ_THREADS]

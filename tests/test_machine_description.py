@@ -3,8 +3,9 @@ import os
 
 from chainer_prefetch_bench.testbed import machine
 
-# A balloon's sysfs features: stats, deflate on OOM and free page reporting
-# (bits 1, 2, 5), as this project's virtual machines show them.
+# A balloon's sysfs features as this project's virtual machines show them:
+# stats, deflate on OOM, free page reporting and bit 7 (bits 1, 2, 5, 7),
+# then bit 32 (VIRTIO_F_VERSION_1).
 REPORTING = '0110010100000000000000000000000010' + '0' * 94 + '\n'
 
 

@@ -401,10 +401,12 @@ READ_PIECE_BYTES = 4 << 20
 READ_THREADS = 8
 #: ... and this many from a node-local file system (see
 #: :mod:`chainer_prefetch.staging.file_systems`), where more streams only
-#: make the disk seek: on the benchmark's local disk, a 110 MB row group
-#: took 108 ms to read with 8 streams, 85 ms with 2 and 76 ms with one, and
-#: its pipeline ran fastest with 2 (results/parquet/README.md,
-#: ``local_read_threads``).
+#: make the disk seek: on the benchmark's local disk, 9 row groups were
+#: read ahead in 0.68 s with 8 threads, 0.57 s with 2 and 0.50 s with one
+#: (``results/parquet/read_threads``), and the pipeline ran about as fast
+#: with 1 thread as with 2, and 1.03-1.18x faster than with 8
+#: (``local_read_threads``, ``local_read_threads_1_2``).  Set in the
+#: training process, which reads row groups ahead (stage 2).
 LOCAL_READ_THREADS = 2
 #: The footers of a dataset's files are read this many at a time: on
 #: shared storage each read waits its latency (8 files through the emulated
@@ -505,10 +507,14 @@ def _read_into_page_cache(fd: int, ranges: Sequence[Tuple[int, int]],
     them into the page cache and maps them, and nothing is copied.  Reading
     them instead copies every byte into a buffer, and decoding from the
     mapping then faults each page in once more.  For the 9 row groups of
-    100,000 rows of the benchmark, from a cold local disk, that is 0.61x
+    100,000 rows of the benchmark, from a cold local disk, that was 0.61x
     and 0.76x the kernel time, and 0.88x and 0.98x the wall time, in two
-    runs of ``chainer_prefetch_bench.parquet.read_cost`` (medians of 15);
-    through the emulated storage, 9.1-9.4 s either way (a script, twice
+    runs of ``chainer_prefetch_bench.parquet.read_cost`` with 8 threads
+    (medians of 15); in a later run (``results/parquet/read_threads``,
+    medians of 5) 0.22x the kernel time and 0.67x the wall time with one
+    thread, but 0.78x and 1.09x with 2 and 1.29x and 1.23x with 8: faulting
+    pieces in on several threads at once costs the kernel more.  Through
+    the emulated storage, 9.1-9.4 s either way (a script, twice
     each).  Pages in the page cache already are only mapped.  The pages
     faulted in count in the process's RSS and PSS from then on (shared,
     clean page cache: the kernel can drop them), not only once decoding
@@ -550,14 +556,15 @@ def _directory_is_node_local(directory: str) -> bool:
 def read_threads_for(path: str) -> int:
     """How many threads read a row group of the file ``path`` at once.
 
-    :data:`LOCAL_READ_THREADS` on a node-local file system,
-    :data:`READ_THREADS` elsewhere.  The mount table is read once per
-    directory in each process.
+    :data:`LOCAL_READ_THREADS` where the file (symbolic links followed)
+    is on a node-local file system, :data:`READ_THREADS` elsewhere.  The
+    answer is kept per directory in each process: a file system mounted
+    over a directory after its first read is not seen.
 
     Args:
         path: A Parquet file.
     """
-    if _directory_is_node_local(os.path.dirname(os.path.abspath(path))):
+    if _directory_is_node_local(os.path.dirname(os.path.realpath(path))):
         return LOCAL_READ_THREADS
     return READ_THREADS
 

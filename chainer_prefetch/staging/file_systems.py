@@ -9,6 +9,12 @@ latency, so that many streams at once read faster.
 The mount table comes from ``/proc/self/mountinfo`` (:func:`read_mounts`);
 finding a path's mount in it (:func:`mount_of`) and judging its type
 (:func:`is_node_local`) are pure.
+
+The judgement goes by the file system's type alone: ext4 or XFS on a
+network block device (a cloud volume, Ceph RBD, iSCSI) counts as
+node-local, and a local disk behind FUSE (``fuseblk``,
+``fuse-overlayfs``) as shared.  Only the number of threads reading a row
+group ahead depends on it, never what is read.
 """
 import os
 import re
@@ -64,21 +70,28 @@ def _unescape(field: str) -> str:
 def read_mounts(path: str = MOUNTINFO) -> List[Mount]:
     """This process's mounts (:func:`parse_mountinfo` of ``path``); ``[]`` where unreadable.
 
+    Mount points are decoded as paths are (``os.fsdecode``), so that they
+    compare equal to ``os.path.realpath`` of a path under them whatever
+    bytes they hold.
+
     Args:
         path: The mount table to read.
     """
     try:
-        with open(path) as table:
-            return parse_mountinfo(table.read())
+        with open(path, 'rb') as table:
+            return parse_mountinfo(os.fsdecode(table.read()))
     except (OSError, ValueError):
         return []
 
 
 def mount_of(path: str, mounts: Sequence[Mount]) -> Mount:
-    """The mount ``path`` is on: the deepest mount point above it.
+    """The mount ``path`` is on: the last in the table whose point is ``path`` or above it.
 
-    Of mounts stacked on one point, the last mounted (later in the table)
-    is the one seen.
+    The table lists a mount after the one it is mounted on, so the last
+    covering mount is the deepest one, unless a mount made later over a
+    point above it hides it (``/mnt`` mounted over ``/mnt/data``), or
+    several are stacked on one point: then the later one is what ``path``
+    reaches, and the last in the table too.
 
     Args:
         path: An absolute path, symbolic links resolved.
@@ -89,12 +102,10 @@ def mount_of(path: str, mounts: Sequence[Mount]) -> Mount:
         empty table).
     """
     found = Mount('', '')
-    depth = -1
     for mount in mounts:
         point = mount.point.rstrip('/')
         if path == mount.point or path.startswith(point + '/'):
-            if len(point) >= depth:
-                found, depth = mount, len(point)
+            found = mount
     return found
 
 

@@ -111,7 +111,12 @@ from chainer_prefetch_bench.parquet import petastorm_env
 from chainer_prefetch_bench.testbed import parquet_dataset, storage
 from chainer_prefetch_bench.testbed.machine import free_page_reporting, machine_description
 from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
-from chainer_prefetch_bench.testbed.processes import answer_child, exit_on_sigterm, run_in_child
+from chainer_prefetch_bench.testbed.processes import (
+    answer_child,
+    exit_on_sigterm,
+    rotated,
+    run_in_child,
+)
 from chainer_prefetch_bench.testbed.report import write_json
 
 BATCH_SIZE = 100
@@ -823,19 +828,35 @@ def add_read_threads_argument(parser: argparse.ArgumentParser) -> None:
         parser: The parser to add it to.
     """
     def counts(value: str) -> List[Optional[int]]:
+        refused = argparse.ArgumentTypeError(
+            'a list of positive counts, got {!r}'.format(value))
         try:
             parsed = [int(count) for count in value.split(',')] if value else [None]
         except ValueError:
-            parsed = [0]
+            raise refused from None
         if any(count is not None and count < 1 for count in parsed):
-            raise argparse.ArgumentTypeError(
-                'a list of positive counts, got {!r}'.format(value))
+            raise refused
         return parsed
 
     parser.add_argument('--local-read-threads', type=counts, default=[None],
                         help='threads reading a row group from a node-local '
                         'file system, a list side by side (2,8); default: '
                         "the product's")
+
+
+def use_read_threads(count: Optional[int], dataset_dir: str) -> int:
+    """Sets the product's ``LOCAL_READ_THREADS`` in this (a run's) process;
+    returns the threads that will read ``dataset_dir``'s row groups.
+
+    Args:
+        count: The threads for node-local storage (``None``: the product's
+            default).
+        dataset_dir: The folder of Parquet files the run reads.
+    """
+    from chainer_prefetch.datasets import parquet
+    if count:
+        parquet.LOCAL_READ_THREADS = count
+    return parquet.read_threads_for(parquet.find_parquet_files(dataset_dir)[0])
 
 
 def generated_dataset(args: argparse.Namespace) -> str:
@@ -989,7 +1010,7 @@ def main(argv=None) -> int:
     with storage.mounted(dataset_dir, mountpoint, preset=args.preset):
         for repeat in range(args.repeats):
             for workers in args.workers:
-                for method, window, memory, switch in _variants(args):
+                for method, window, memory, switch in rotated(_variants(args), repeat):
                     source = (mountpoint if method.endswith('-shared')
                               else dataset_dir)
                     result = measure(config_for(method, workers, args.batches,

@@ -45,6 +45,10 @@ labelled ``2 read threads``, ``8 read threads``); each run reports the
 threads that read its dataset (``read_threads``: where the dataset is not
 on node-local storage, ``READ_THREADS`` whatever the option).
 
+Within each repeat the runs go in the order of ``--methods`` (and of the
+options' values), started one place further on at each repeat, so that
+no run always follows the same one.
+
 Per-batch figures divide by the batches consumed (calls for batches
 prefetched but not consumed count too, about 0.5% at 1,000 batches); each
 clock adds 1-2 us to its call.  Only methods whose loaders are threads of
@@ -68,7 +72,7 @@ from typing import Dict, List, Sequence
 import numpy
 
 from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
-from chainer_prefetch_bench.testbed.processes import answer_child, run_in_child
+from chainer_prefetch_bench.testbed.processes import answer_child, rotated, run_in_child
 from chainer_prefetch_bench.testbed.report import write_results
 
 #: What is clocked: label -> (module, class or None for a function, name).
@@ -206,10 +210,9 @@ def run_one(config: Dict) -> Dict:
     import importlib
 
     from chainer_prefetch import columnar
-    from chainer_prefetch.datasets import parquet
     from chainer_prefetch_bench.parquet import bench
-    if config.get('local_read_threads'):
-        parquet.LOCAL_READ_THREADS = config['local_read_threads']
+    read_threads = bench.use_read_threads(config.get('local_read_threads'),
+                                          config['source'])
     take_rows = config.get('take_rows', 'compiled')
     if take_rows == 'python':
         columnar.TAKE_ROWS = columnar.take_rows_python
@@ -234,8 +237,7 @@ def run_one(config: Dict) -> Dict:
     return {'method': config['method'], 'workers': config['workers'],
             'take_rows': take_rows, 'take_rows_function': columnar.TAKE_ROWS.__name__,
             'local_read_threads': config.get('local_read_threads'),
-            'read_threads': parquet.read_threads_for(
-                parquet.find_parquet_files(config['source'])[0]),
+            'read_threads': read_threads,
             'rows_per_s': result['rows_per_s'],
             'seconds': result['seconds'], 'cpu_s': result['cpu_s'],
             'cpu_us': round(cpu, 1), 'cut_us': round(cut, 1),
@@ -328,10 +330,10 @@ def main(argv=None) -> int:
     dataset = bench.generated_dataset(args)
     sizes = bench.row_group_sizes(dataset)
     runs = []
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for workers in [int(count) for count in args.workers.split(',')]:
-            for method, take, threads in itertools.product(
-                    methods, takes, args.local_read_threads):
+            for method, take, threads in rotated(itertools.product(
+                    methods, takes, args.local_read_threads), repeat):
                 shutil.rmtree(args.local_dir, ignore_errors=True)
                 drop_page_cache(dataset)
                 config = bench.run_config(method, workers, dataset, args.batches,

@@ -12,7 +12,8 @@ process's own CPU clocks::
 
     python -m chainer_prefetch_bench.parquet.read_cost --out results/parquet/read_cost
 
-The runs alternate (``read``, ``populate``, ``read``, ...); the table gives
+The runs alternate (``read``, ``populate``, then ``populate``, ``read``:
+each repeat starts one place further on); the table gives
 medians of ``--repeats`` runs and their ratios.  ``--local-read-threads
 1,2,8`` runs both ways with each count of threads reading a row group
 from a node-local file system (``LOCAL_READ_THREADS``), side by side; the
@@ -32,7 +33,7 @@ import time
 from typing import Dict, List
 
 from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
-from chainer_prefetch_bench.testbed.processes import answer_child, run_in_child
+from chainer_prefetch_bench.testbed.processes import answer_child, rotated, run_in_child
 from chainer_prefetch_bench.testbed.report import write_results
 
 #: The ways compared: reading into a scratch buffer (the fallback), and
@@ -53,12 +54,13 @@ def run_one(config: Dict) -> Dict:
     import pyarrow.parquet
 
     from chainer_prefetch.datasets import parquet
+    from chainer_prefetch_bench.parquet import bench
     from chainer_prefetch_bench.testbed.parquet_dataset import SCHEMA
     columns = [name for name in SCHEMA.names if name != 'tokens']  # as the benchmark
     if config['way'] == 'read':
         parquet._populate = lambda *args: False  # as where the kernel refuses
-    if config.get('local_read_threads'):
-        parquet.LOCAL_READ_THREADS = config['local_read_threads']
+    read_threads = bench.use_read_threads(config.get('local_read_threads'),
+                                          config['dataset'])
     files = sorted(glob.glob(os.path.join(config['dataset'], '*.parquet')))
     groups = [(path, pyarrow.parquet.read_metadata(path)) for path in files]
     staged = [(path, metadata, group) for path, metadata in groups
@@ -76,7 +78,7 @@ def run_one(config: Dict) -> Dict:
     after = resource.getrusage(resource.RUSAGE_SELF)
     return {'way': config['way'], 'row_groups': len(staged),
             'local_read_threads': config.get('local_read_threads'),
-            'read_threads': parquet.read_threads_for(files[0]),
+            'read_threads': read_threads,
             'seconds': round(time.perf_counter() - started, 3),
             'read_s': round(read_s, 3),
             'user_s': round(after.ru_utime - before.ru_utime, 3),
@@ -127,8 +129,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     dataset = bench.generated_dataset(args)
     runs = []
-    for _ in range(args.repeats):
-        for count, way in itertools.product(args.local_read_threads, WAYS):
+    for repeat in range(args.repeats):
+        for count, way in rotated(itertools.product(args.local_read_threads, WAYS),
+                                  repeat):
             drop_page_cache(dataset)
             run = run_in_child(__spec__.name, {
                 'way': way, 'dataset': dataset, 'row_groups': args.row_groups,

@@ -18,7 +18,7 @@ import statistics
 import sys
 from typing import Dict, List
 
-from chainer_prefetch_bench.testbed.machine import free_page_reporting
+from chainer_prefetch_bench.testbed.machine import machine_description
 from chainer_prefetch_bench.testbed.report import write_results
 
 
@@ -63,16 +63,19 @@ def main(argv=None) -> int:
                         help='folder for run_history.json and table.txt')
     args = parser.parse_args(argv)
     before = args.before.split(',')
+    def runs_here(method):  # on local files, in this environment
+        return not method.startswith('petastorm') and not method.endswith('-shared')
+
     unknown = [method for method in [args.method] + before
-               if method not in bench.METHODS or method.startswith('petastorm')]
+               if method not in bench.METHODS or not runs_here(method)]
     if unknown:
-        parser.error('not a method of this environment: {} (Petastorm runs in '
-                     'its own; choose from {})'.format(', '.join(unknown), ', '.join(
-                         method for method in bench.METHODS
-                         if not method.startswith('petastorm'))))
+        parser.error('not a method on local files in this environment: {} '
+                     '(choose from {})'.format(', '.join(unknown), ', '.join(
+                         method for method in bench.METHODS if runs_here(method))))
     dataset = bench.generated_dataset(args)
     sizes = bench.row_group_sizes(dataset)
-    print('free page reporting: {}'.format(free_page_reporting()), flush=True)
+    machine = machine_description()
+    print('free page reporting: {}'.format(machine['free_page_reporting']), flush=True)
     runs = []
     for _ in range(args.repeats):
         for method, position in [(name, 'before') for name in before] + [
@@ -87,7 +90,7 @@ def main(argv=None) -> int:
     table = format_table(runs, args.method, before)
     print(table)
     if args.out:
-        write_results(args.out, __spec__.name, argv, runs, table)
+        write_results(args.out, __spec__.name, argv, runs, table, machine=machine)
     return 0
 
 

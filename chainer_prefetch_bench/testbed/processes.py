@@ -23,6 +23,24 @@ MEMORY_POLL_SECONDS = 0.2
 """How often :func:`run_in_child` samples the memory of the child's tree."""
 
 
+def rotated(items: Sequence, repeat: int) -> list:
+    """The runs of one repeat in their order, started ``repeat`` places further on.
+
+    A run's speed can depend on the runs just before it (memory they
+    freed, caches they filled); over the repeats each run then follows
+    different ones, instead of always the same.
+
+    Args:
+        items: The runs of a repeat, in their first order.
+        repeat: The repeat's number (0 first).
+    """
+    items = list(items)
+    if not items:
+        return items
+    start = repeat % len(items)
+    return items[start:] + items[:start]
+
+
 def run_in_child(module: str, config: Dict, timeout: float,
                  python: Optional[str] = None,
                  sample_memory: bool = False,

@@ -28,7 +28,7 @@ def write_json(path: str, data: Any, indent: int = 1) -> str:
 
 
 def write_results(out: str, module: str, argv: List[str], runs: List[Any],
-                  table: str):
+                  table: str, **context: Any):
     """Writes a script's runs to ``out/<script>.json`` and ``out/table.txt``.
 
     ``table.txt`` starts with the command that produced it.
@@ -39,9 +39,10 @@ def write_results(out: str, module: str, argv: List[str], runs: List[Any],
         argv: Its arguments.
         runs: JSON-able runs.
         table: The table to show.
+        context: More JSON-able fields for the JSON file (the machine).
     """
     write_json(os.path.join(out, module.rsplit('.', 1)[-1] + '.json'),
-               {'argv': argv, 'runs': runs})
+               dict(context, argv=argv, runs=runs))
     with open(os.path.join(out, 'table.txt'), 'w') as table_file:
         table_file.write('python -m {} {}\n\n{}\n'.format(
             module, ' '.join(argv), table))
