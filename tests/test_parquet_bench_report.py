@@ -267,7 +267,7 @@ def test_the_read_cost_runs_both_ways_on_the_same_row_groups(tmp_path):
     assert read_cost.main(_tiny_dataset(tmp_path) + [
         '--row-groups', '2', '--repeats', '2', '--out', str(out)]) == 0
     runs = json.loads((out / 'read_cost.json').read_text())['runs']
-    # Each repeat starts one place further on.
+    # Every other repeat runs backwards.
     assert [run['way'] for run in runs] == ['read', 'populate', 'populate', 'read']
     assert {run['row_groups'] for run in runs} == {2}
     table = (out / 'table.txt').read_text()
@@ -316,7 +316,7 @@ def test_the_cpu_per_batch_clocks_the_calls_of_each_method(tmp_path):
         '--batches', '3', '--workers', '1', '--repeats', '2', '--local-dir',
         str(tmp_path / 'local'), '--out', str(out)]) == 0
     runs = json.loads((out / 'cpu_per_batch.json').read_text())['runs']
-    # Each repeat starts one place further on.
+    # Every other repeat runs backwards.
     assert [run['method'] for run in runs] == ['ours-memory', 'arrow-threads',
                                                'arrow-threads', 'ours-memory']
     ours_runs = [run for run in runs if run['method'] == 'ours-memory']
@@ -448,3 +448,12 @@ def test_the_run_history_times_a_method_after_others_and_after_itself(tmp_path, 
             run_history.main(['--before', bad])
         assert 'not a method on local files in this environment: {}'.format(
             bad) in capsys.readouterr().err
+
+
+def test_every_other_repeat_runs_backwards_and_each_pair_starts_further_on():
+    orders = [''.join(processes.run_order('abcd', repeat)) for repeat in range(6)]
+    assert orders == ['abcd', 'dcba', 'bcda', 'adcb', 'cdab', 'badc']
+    # Over the first three repeats (the full benchmark's), 'b' follows 'a',
+    # 'c' and 'a' again, and 'c' follows 'b', 'd' and 'b'.
+    assert processes.run_order(iter([1, 2]), 1) == [2, 1]  # any iterable
+    assert processes.run_order([], 3) == []

@@ -114,8 +114,8 @@ from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
 from chainer_prefetch_bench.testbed.processes import (
     answer_child,
     exit_on_sigterm,
-    rotated,
     run_in_child,
+    run_order,
 )
 from chainer_prefetch_bench.testbed.report import write_json
 
@@ -1010,7 +1010,7 @@ def main(argv=None) -> int:
     with storage.mounted(dataset_dir, mountpoint, preset=args.preset):
         for repeat in range(args.repeats):
             for workers in args.workers:
-                for method, window, memory, switch in rotated(_variants(args), repeat):
+                for method, window, memory, switch in run_order(_variants(args), repeat):
                     source = (mountpoint if method.endswith('-shared')
                               else dataset_dir)
                     result = measure(config_for(method, workers, args.batches,

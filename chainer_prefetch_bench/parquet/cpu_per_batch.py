@@ -46,8 +46,9 @@ threads that read its dataset (``read_threads``: where the dataset is not
 on node-local storage, ``READ_THREADS`` whatever the option).
 
 Within each repeat the runs go in the order of ``--methods`` (and of the
-options' values), started one place further on at each repeat, so that
-no run always follows the same one.
+options' values), backwards in every other repeat
+(``testbed.processes.run_order``), so that no run always follows the
+same one.
 
 Per-batch figures divide by the batches consumed (calls for batches
 prefetched but not consumed count too, about 0.5% at 1,000 batches); each
@@ -72,7 +73,7 @@ from typing import Dict, List, Sequence
 import numpy
 
 from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
-from chainer_prefetch_bench.testbed.processes import answer_child, rotated, run_in_child
+from chainer_prefetch_bench.testbed.processes import answer_child, run_in_child, run_order
 from chainer_prefetch_bench.testbed.report import write_results
 
 #: What is clocked: label -> (module, class or None for a function, name).
@@ -332,7 +333,7 @@ def main(argv=None) -> int:
     runs = []
     for repeat in range(args.repeats):
         for workers in [int(count) for count in args.workers.split(',')]:
-            for method, take, threads in rotated(itertools.product(
+            for method, take, threads in run_order(itertools.product(
                     methods, takes, args.local_read_threads), repeat):
                 shutil.rmtree(args.local_dir, ignore_errors=True)
                 drop_page_cache(dataset)

@@ -13,7 +13,7 @@ process's own CPU clocks::
     python -m chainer_prefetch_bench.parquet.read_cost --out results/parquet/read_cost
 
 The runs alternate (``read``, ``populate``, then ``populate``, ``read``:
-each repeat starts one place further on); the table gives
+every other repeat runs backwards); the table gives
 medians of ``--repeats`` runs and their ratios.  ``--local-read-threads
 1,2,8`` runs both ways with each count of threads reading a row group
 from a node-local file system (``LOCAL_READ_THREADS``), side by side; the
@@ -33,7 +33,7 @@ import time
 from typing import Dict, List
 
 from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
-from chainer_prefetch_bench.testbed.processes import answer_child, rotated, run_in_child
+from chainer_prefetch_bench.testbed.processes import answer_child, run_in_child, run_order
 from chainer_prefetch_bench.testbed.report import write_results
 
 #: The ways compared: reading into a scratch buffer (the fallback), and
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     dataset = bench.generated_dataset(args)
     runs = []
     for repeat in range(args.repeats):
-        for count, way in rotated(itertools.product(args.local_read_threads, WAYS),
+        for count, way in run_order(itertools.product(args.local_read_threads, WAYS),
                                   repeat):
             drop_page_cache(dataset)
             run = run_in_child(__spec__.name, {

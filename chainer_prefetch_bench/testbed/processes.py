@@ -17,28 +17,30 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Iterable, Optional, Sequence
 
 MEMORY_POLL_SECONDS = 0.2
 """How often :func:`run_in_child` samples the memory of the child's tree."""
 
 
-def rotated(items: Sequence, repeat: int) -> list:
-    """The runs of one repeat in their order, started ``repeat`` places further on.
+def run_order(items: Iterable, repeat: int) -> list:
+    """The runs of one repeat, in the order they run.
 
-    A run's speed can depend on the runs just before it (memory they
-    freed, caches they filled); over the repeats each run then follows
-    different ones, instead of always the same.
+    Repeat 0 keeps the first order; every other repeat runs it backwards,
+    and each pair of repeats starts one place further on.  A run's speed
+    can depend on the runs just before it (memory they freed, caches they
+    filled): so each run follows its neighbours on both sides in turn,
+    instead of always the same one.
 
     Args:
         items: The runs of a repeat, in their first order.
         repeat: The repeat's number (0 first).
     """
     items = list(items)
-    if not items:
-        return items
-    start = repeat % len(items)
-    return items[start:] + items[:start]
+    if items:
+        start = (repeat // 2) % len(items)
+        items = items[start:] + items[:start]
+    return items[::-1] if repeat % 2 else items
 
 
 def run_in_child(module: str, config: Dict, timeout: float,
