@@ -79,8 +79,8 @@ def run_one(config: Dict) -> Dict:
     return {'way': config['way'], 'row_groups': len(staged),
             'local_read_threads': config.get('local_read_threads'),
             'read_threads': read_threads,
-            'seconds': round(time.perf_counter() - started, 3),
-            'read_s': round(read_s, 3),
+            'seconds': round(time.perf_counter() - started, 6),
+            'read_s': round(read_s, 6),
             'user_s': round(after.ru_utime - before.ru_utime, 3),
             'kernel_s': round(after.ru_stime - before.ru_stime, 3)}
 
