@@ -369,18 +369,22 @@ def test_the_timeline_counts_stalls_and_the_pace_between_them():
     assert (stalled['stalls'], stalled['pace_ms']) == (1, 0)
 
 
-def test_the_cpu_per_batch_compares_the_compiled_take_with_pythons(tmp_path, capsys):
+def _cpu_per_batch_side_by_side(tmp_path, *option) -> tuple:
+    """``ours-memory`` at 1 worker, once each way of ``option``: the runs and the table's lines."""
     out = tmp_path / 'out'
     assert cpu_per_batch.main(_tiny_dataset(tmp_path) + [
         '--batches', '3', '--workers', '1', '--repeats', '1', '--methods', 'ours-memory',
-        '--take-rows', 'compiled,python', '--local-dir', str(tmp_path / 'local'),
-        '--out', str(out)]) == 0
-    runs = json.loads((out / 'cpu_per_batch.json').read_text())['runs']
+        *option, '--local-dir', str(tmp_path / 'local'), '--out', str(out)]) == 0
+    return (json.loads((out / 'cpu_per_batch.json').read_text())['runs'],
+            (out / 'table.txt').read_text().splitlines())
+
+
+def test_the_cpu_per_batch_compares_the_compiled_take_with_pythons(tmp_path, capsys):
+    runs, lines = _cpu_per_batch_side_by_side(tmp_path, '--take-rows', 'compiled,python')
     # Each run's child process took rows as asked.
     assert [(run['take_rows'], run['take_rows_function']) for run in runs] == [
         ('compiled', 'take_rows'), ('python', 'take_rows_python')]
     assert all(run['calls']['take'] >= 3 for run in runs)
-    lines = (out / 'table.txt').read_text().splitlines()
     assert lines[3].split()[:2] == ['ours-memory', '1']
     assert lines[4].split()[:4] == ['ours-memory', 'python', 'take', '1']
     ratio = runs[0]['rows_per_s'] / runs[1]['rows_per_s']
@@ -394,17 +398,11 @@ def test_the_cpu_per_batch_compares_the_compiled_take_with_pythons(tmp_path, cap
 
 def test_the_cpu_per_batch_compares_the_threads_reading_local_files(tmp_path, capsys):
     _skip_unless_node_local(tmp_path)
-    out = tmp_path / 'out'
-    assert cpu_per_batch.main(_tiny_dataset(tmp_path) + [
-        '--batches', '3', '--workers', '1', '--repeats', '1', '--methods', 'ours-memory',
-        '--local-read-threads', '2,8', '--local-dir', str(tmp_path / 'local'),
-        '--out', str(out)]) == 0
-    runs = json.loads((out / 'cpu_per_batch.json').read_text())['runs']
+    runs, lines = _cpu_per_batch_side_by_side(tmp_path, '--local-read-threads', '2,8')
     # The dataset is on this machine's disk: each child read it with the
     # threads asked for.
     assert [(run['local_read_threads'], run['read_threads']) for run in runs] == [
         (2, 2), (8, 8)]
-    lines = (out / 'table.txt').read_text().splitlines()
     assert lines[3].split()[:5] == ['ours-memory', '2', 'read', 'threads', '1']
     assert lines[4].split()[:5] == ['ours-memory', '8', 'read', 'threads', '1']
     ratio = runs[0]['rows_per_s'] / runs[1]['rows_per_s']

@@ -14,7 +14,6 @@ import errno
 import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -184,16 +183,10 @@ def is_mounted(mountpoint: str) -> bool:
     Returns:
         True if a ``fuse*`` file system is mounted there.
     """
+    from chainer_prefetch.staging.file_systems import read_mounts
     real = os.path.realpath(mountpoint)
-    with open('/proc/self/mountinfo') as f:
-        for line in f:
-            fields = line.split()
-            sep = fields.index('-')
-            point = re.sub(r'\\([0-7]{3})',
-                           lambda m: chr(int(m.group(1), 8)), fields[4])
-            if point == real and fields[sep + 1].startswith('fuse'):
-                return True
-    return False
+    return any(mount.point == real and mount.fs_type.startswith('fuse')
+               for mount in read_mounts())
 
 
 def _proc_stat(pid: int) -> Optional[List[str]]:
