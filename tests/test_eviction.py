@@ -178,13 +178,15 @@ def test_future_uses_of_an_order_with_repeats():
     assert future.following_use(0, after=2) == NEVER
 
 
-@pytest.mark.parametrize('seed', range(5))
+@pytest.mark.parametrize('seed', range(7))
 def test_future_uses_equal_a_scan_of_the_orders(seed):
     # Orders with repeats and items shared by examples (the bisections of
-    # the sorted form), and permutations (its inverse form).
+    # the sorted form), and permutations (its inverse form), also of items
+    # numbered apart from the examples, one each (seeds 5, 6).
     random = numpy.random.RandomState(seed)
     size = 12
-    item_of = random.randint(0, 4, size) if seed % 2 else None
+    item_of = (random.permutation(size) if seed >= 5
+               else random.randint(0, 4, size) if seed % 2 else None)
     future = FutureUses(epoch_size=size, item_of=item_of)
     orders = [random.randint(0, size, size) if seed < 3
               else random.permutation(size) for _ in range(2)]

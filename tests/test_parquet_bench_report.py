@@ -213,14 +213,19 @@ def test_the_storage_bound_is_bandwidth_over_bytes_per_row_and_each_shared_run_i
     assert bench._source_bytes_per_row(str(tmp_path), ['id']) < 20
     assert bench.storage_bound(500.0, 100) == 200000.0
     assert bench.storage_bound(500.0, 0) is None
-    runs = [_run('ours-shared', 1, 150000.0), _run('petastorm-shared', None, 50000.0),
-            _run('ours-local', 1, 300000.0)]
+    runs = [dict(_run('ours-shared', 1, 150000.0), source_mb_per_s=mb_per_s)
+            for mb_per_s in (80.0, 90.0, 95.0)]
+    runs += [_run('petastorm-shared', None, 50000.0), _run('ours-local', 1, 300000.0)]
     text = bench.format_storage_bound({
         'storage_bound_rows_per_s': 200000.0, 'storage_bandwidth_mbps': 100,
         'source_bytes_per_row': 500.0, 'medians': bench.median_runs(runs)})
     assert '200,000 rows/s' in text
-    shares = {line.split()[0]: line.split()[-4] for line in text.splitlines()[1:]}
+    shares = {line.split()[0]: line.split(' of the bound')[0].split()[-1]
+              for line in text.splitlines()[1:]}
     assert shares == {'ours-shared': '75%', 'petastorm-shared': '25%'}
+    # Ours' median bytes read from the mount, as a share of its bandwidth.
+    assert text.splitlines()[1].endswith("of the bound; read 90.0 MB/s, 90% of the mount's")
+    assert text.splitlines()[2].endswith('25% of the bound')
     assert 'no storage bound' in bench.format_storage_bound(
         {'storage_bound_rows_per_s': None, 'medians': []})
 
