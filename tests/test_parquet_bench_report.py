@@ -141,6 +141,22 @@ def test_a_run_has_its_switch_interval_while_it_lasts(tmp_path):
     assert bench.label(results[0]) == 'arrow-threads switch0.2ms'
 
 
+def test_ours_runs_report_the_rate_they_read_the_parquet_files_at(tmp_path):
+    from chainer_prefetch_bench.testbed import parquet_dataset
+    directory = str(tmp_path / 'shop')
+    parquet_dataset.generate(directory, 250, 3, 40, image_size=8)
+    ours, arrow = [bench.run_one(bench.run_config(
+        method, 1, directory, 2, str(tmp_path / 'local'),
+        bench.row_group_sizes(directory))) for method in ('ours-threads', 'arrow-threads')]
+    copied = ours['staging']['bytes_copied']
+    assert copied > 0
+    # bytes copied from the Parquet files over the run's seconds, in MB/s
+    # (the seconds rounded to the millisecond in the result).
+    assert ours['source_mb_per_s'] == pytest.approx(
+        copied / ours['seconds'] / 1e6, rel=0.05, abs=0.01)
+    assert arrow['source_mb_per_s'] is None  # no staging counters
+
+
 def test_a_run_gets_the_environment_of_its_memory_setting(tmp_path):
     (tmp_path / 'print_environment.py').write_text(
         'import os, sys\n'

@@ -536,6 +536,8 @@ def _timed_run(config: Dict) -> Dict:
             'row_groups_per_batch': float(numpy.mean(groups_per_batch)),
             'row_groups_used': int(len(numpy.unique(row_group_of_id[seen]))),
             'staging': staging,
+            # Bytes ours copied from the Parquet files (counted when the
+            # iterator is closed, after the last batch) over the run's seconds.
             'source_mb_per_s': (round(staging['bytes_copied'] / seconds / 1e6, 2)
                                 if staging.get('bytes_copied') else None),
             'coverage_per_epoch': coverage}
