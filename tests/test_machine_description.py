@@ -27,3 +27,17 @@ def test_a_bound_balloon_that_reports_makes_the_machine_report(tmp_path):
     (driver / 'virtio3' / 'features').write_text('0110000000\n')
     assert not machine.free_page_reporting(pattern)
 
+
+
+def test_a_folders_file_system_is_the_one_the_mount_table_gives_it(tmp_path):
+    from chainer_prefetch.staging import file_systems
+    mounts = file_systems.read_mounts()
+    assert machine.file_system_type(str(tmp_path)) == file_systems.mount_of(
+        os.path.realpath(str(tmp_path)), mounts).fs_type
+    # A folder not made yet is on the file system of the folder it goes in.
+    assert machine.file_system_type(str(tmp_path / 'not' / 'yet')) == (
+        machine.file_system_type(str(tmp_path)))
+    with open('/proc/self/mounts') as mounts:  # read here without the library
+        shm = [line.split()[2] for line in mounts if line.split()[1] == '/dev/shm']
+    if shm:  # a tmpfs on Linux machines that have it
+        assert machine.file_system_type('/dev/shm/not-made') == shm[-1]

@@ -469,6 +469,45 @@ def test_the_run_history_times_a_method_after_others_and_after_itself(tmp_path, 
             bad) in capsys.readouterr().err
 
 
+def test_the_run_history_compares_the_local_directories_runs_before_staged_into(
+        tmp_path, capsys):
+    out = tmp_path / 'out'
+    first, second = str(tmp_path / 'first'), str(tmp_path / 'second')
+    assert run_history.main(_tiny_dataset(tmp_path) + [
+        '--batches', '3', '--repeats', '2', '--before', 'ours-threads',
+        '--before-local-dirs', '{},{}'.format(first, second),
+        '--out', str(out)]) == 0
+    runs = json.loads((out / 'run_history.json').read_text())['runs']
+    # Every other repeat starts with the other directory.
+    assert [(run['position'], run['method']) for run in runs] == [
+        ('before', 'ours-threads'), ('after ' + first, 'ours-memory'),
+        ('before', 'ours-threads'), ('after ' + second, 'ours-memory'),
+        ('before', 'ours-threads'), ('after ' + second, 'ours-memory'),
+        ('before', 'ours-threads'), ('after ' + first, 'ours-memory')]
+    assert [run['local_dir'] for run in runs] == [first] * 2 + [second] * 4 + [first] * 2
+    assert all(run['rows'] == 300 for run in runs)
+    assert not os.path.exists(first) and not os.path.exists(second)
+    kind = file_systems.mount_of(str(tmp_path), file_systems.read_mounts()).fs_type
+    lines = (out / 'table.txt').read_text().splitlines()
+    assert lines[3].split()[:5] == ['ours-memory', 'after', 'ours-threads', 'into',
+                                    first]
+    assert lines[3].split()[5] == '({})'.format(kind)
+    assert lines[4].split()[4] == second
+
+    def median(directory):
+        values = sorted(run['rows_per_s'] for run in runs
+                        if run['position'] == 'after ' + directory)
+        return (values[0] + values[1]) / 2
+
+    assert lines[5] == 'into {} / into {}: {:.2f}x'.format(
+        first, second, median(first) / median(second))
+    for bad in (first, '{},{}'.format(first, first), '{},{},{}'.format(first, second, first)):
+        with pytest.raises(SystemExit):
+            run_history.main(['--before-local-dirs', bad])
+        assert '--before-local-dirs needs two different directories' in (
+            capsys.readouterr().err)
+
+
 def test_every_other_repeat_runs_backwards_and_each_pair_starts_further_on():
     orders = [''.join(processes.run_order('abcd', repeat)) for repeat in range(6)]
     assert orders == ['abcd', 'dcba', 'bcda', 'adcb', 'cdab', 'badc']

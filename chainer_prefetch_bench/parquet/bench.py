@@ -109,7 +109,11 @@ from typing import Dict, List, Optional
 
 from chainer_prefetch_bench.parquet import petastorm_env
 from chainer_prefetch_bench.testbed import parquet_dataset, storage
-from chainer_prefetch_bench.testbed.machine import free_page_reporting, machine_description
+from chainer_prefetch_bench.testbed.machine import (
+    file_system_type,
+    free_page_reporting,
+    machine_description,
+)
 from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
 from chainer_prefetch_bench.testbed.processes import (
     answer_child,
@@ -1150,8 +1154,7 @@ def measure(config: Dict, dataset_dir: str, local_dir: str, timeout: float,
 
 def _on_tmpfs(directory: str) -> bool:
     """Whether ``directory`` (or the folder it will be made in) is a tmpfs."""
-    from chainer_prefetch.staging.file_systems import mount_of, read_mounts
-    return mount_of(os.path.realpath(directory), read_mounts()).fs_type == 'tmpfs'
+    return file_system_type(directory) == 'tmpfs'
 
 
 def _bytes_under(directory: str) -> int:

@@ -12,38 +12,94 @@ lot::
 
     python -m chainer_prefetch_bench.parquet.run_history --method ours-memory \\
         --before ours-local,ours-threads --out results/parquet/run_history
+
+With ``--before-local-dirs A,B`` it compares instead the local directories
+the ``--before`` methods stage into: each repeat runs them into ``A`` and
+then ``--method``, and the same into ``B`` (in the other order every other
+repeat); each timed run empties the directory the runs before it filled,
+as the benchmark empties its local directory before every run.  For
+instance, after runs that staged into a tmpfs against the machine's
+disk::
+
+    python -m chainer_prefetch_bench.parquet.run_history --method ours-memory \\
+        --before ours-threads --workers 4 --repeats 8 \\
+        --before-local-dirs /dev/shm/bench_parquet_local,/tmp/bench_parquet/local \\
+        --out results/parquet/run_history_local_dirs
 """
 import argparse
+import shutil
 import statistics
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from chainer_prefetch_bench.testbed.machine import machine_description
+from chainer_prefetch_bench.testbed.machine import file_system_type, machine_description
 from chainer_prefetch_bench.testbed.report import write_results
 
 
-def format_table(runs: List[Dict], method: str, before: List[str]) -> str:
-    """Medians of ``method`` after ``before`` and after itself, and their ratio.
+def run_sequence(method: str, before: List[str], local_dirs: List[str],
+                 repeat: int) -> List[Tuple[str, str, str]]:
+    """The runs of one repeat: ``(method, position, local directory)``.
+
+    With one local directory: the ``before`` methods, then ``method``
+    (position ``'after'``) and ``method`` again (``'again'``).  With
+    several: for each directory, the ``before`` methods and then ``method``
+    (position ``'after DIRECTORY'``), in reverse order every other repeat.
 
     Args:
-        runs: Every run, each with its ``position`` (``'before'``,
-            ``'after'`` or ``'again'``).
+        method: The method timed.
+        before: The methods run before it.
+        local_dirs: The local directories to compare (two), or one.
+        repeat: The repeat's number (0 first).
+    """
+    if len(local_dirs) == 1:
+        return [(name, 'before', local_dirs[0]) for name in before] + [
+            (method, 'after', local_dirs[0]), (method, 'again', local_dirs[0])]
+    order = local_dirs if repeat % 2 == 0 else local_dirs[::-1]
+    return [run for directory in order for run in
+            [(name, 'before', directory) for name in before]
+            + [(method, 'after ' + directory, directory)]]
+
+
+def format_table(runs: List[Dict], method: str, before: List[str],
+                 local_dirs: Sequence[str] = (),
+                 file_systems: Optional[Dict[str, str]] = None) -> str:
+    """Medians of ``method`` after ``before`` and after itself, and their ratio.
+
+    With two ``local_dirs``: the medians of ``method`` after ``before``
+    staged into each, and the first over the second.
+
+    Args:
+        runs: Every run, each with its ``position`` (:func:`run_sequence`).
         method: The method compared.
         before: The methods run before it.
+        local_dirs: The two local directories compared, if any.
+        file_systems: The file system type of each of them, shown beside it.
     """
     def rows_per_s(position):
         return [run['rows_per_s'] for run in runs
                 if run['position'] == position and run['method'] == method]
 
-    after, again = rows_per_s('after'), rows_per_s('again')
-    lines = ['{:<44} {:>9}   runs (thousand rows/s)'.format(
-        'run (medians of {})'.format(len(after)), 'rows/s')]
-    for name, values in (('{} after {}'.format(method, '+'.join(before)), after),
-                         ('{} after itself'.format(method), again)):
-        lines.append('{:<44} {:>9.0f}   {}'.format(name, statistics.median(values), ', '.join(
-            '{:.0f}'.format(value / 1000) for value in values)))
-    lines.append('after {} / after itself: {:.2f}x'.format(
-        '+'.join(before), statistics.median(after) / statistics.median(again)))
+    after_before = '{} after {}'.format(method, '+'.join(before))
+    if len(local_dirs) > 1:
+        file_systems = file_systems or {}
+        compared = [('{} into {}{}'.format(
+            after_before, directory, ' ({})'.format(file_systems[directory])
+            if directory in file_systems else ''),
+            rows_per_s('after ' + directory)) for directory in local_dirs]
+        ratio_name = 'into {} / into {}'.format(local_dirs[0], local_dirs[1])
+    else:
+        compared = [(after_before, rows_per_s('after')),
+                    ('{} after itself'.format(method), rows_per_s('again'))]
+        ratio_name = 'after {} / after itself'.format('+'.join(before))
+    width = max(44, *(len(name) for name, _ in compared))
+    lines = ['{:<{}} {:>9}   runs (thousand rows/s)'.format(
+        'run (medians of {})'.format(len(compared[0][1])), width, 'rows/s')]
+    for name, values in compared:
+        lines.append('{:<{}} {:>9.0f}   {}'.format(
+            name, width, statistics.median(values),
+            ', '.join('{:.0f}'.format(value / 1000) for value in values)))
+    lines.append('{}: {:.2f}x'.format(ratio_name, statistics.median(compared[0][1])
+                                      / statistics.median(compared[1][1])))
     return '\n'.join(lines)
 
 
@@ -59,10 +115,20 @@ def main(argv=None) -> int:
     parser.add_argument('--batches', type=int, default=1000)
     parser.add_argument('--repeats', type=int, default=6)
     parser.add_argument('--local-dir', default='/dev/shm/bench_parquet_local')
+    parser.add_argument('--before-local-dirs', default=None,
+                        help='compare these local directories (comma-separated) '
+                             'for the --before runs, instead of --local-dir and '
+                             'the method after itself')
     parser.add_argument('--out', default=None,
                         help='folder for run_history.json and table.txt')
     args = parser.parse_args(argv)
     before = args.before.split(',')
+    local_dirs = (args.before_local_dirs.split(',') if args.before_local_dirs
+                  else [args.local_dir])
+    if args.before_local_dirs and (len(local_dirs) != 2
+                                   or local_dirs[0] == local_dirs[1]):
+        parser.error('--before-local-dirs needs two different directories, '
+                     'got {!r}'.format(args.before_local_dirs))
     def runs_here(method):  # on local files, in this environment
         return not method.startswith('petastorm') and not method.endswith('-shared')
 
@@ -77,17 +143,23 @@ def main(argv=None) -> int:
     machine = machine_description()
     print('free page reporting: {}'.format(machine['free_page_reporting']), flush=True)
     runs = []
-    for _ in range(args.repeats):
-        for method, position in [(name, 'before') for name in before] + [
-                (args.method, 'after'), (args.method, 'again')]:
+    for repeat in range(args.repeats):
+        for method, position, local_dir in run_sequence(args.method, before,
+                                                        local_dirs, repeat):
             config = bench.run_config(method, args.workers, dataset, args.batches,
-                                      args.local_dir, sizes)
-            run = dict(bench.measure(config, dataset, args.local_dir, timeout=600),
-                       position=position)
+                                      local_dir, sizes)
+            run = dict(bench.measure(config, dataset, local_dir, timeout=600),
+                       position=position, local_dir=local_dir)
             runs.append(run)
             print('{:<6} {:<14} {:8.0f} rows/s'.format(
                 position, method, run['rows_per_s']), flush=True)
-    table = format_table(runs, args.method, before)
+    if args.before_local_dirs:
+        for directory in local_dirs:
+            shutil.rmtree(directory, ignore_errors=True)
+    table = format_table(runs, args.method, before,
+                         local_dirs if args.before_local_dirs else (),
+                         {directory: file_system_type(directory)
+                          for directory in local_dirs})
     print(table)
     if args.out:
         write_results(args.out, __spec__.name, argv, runs, table, machine=machine)

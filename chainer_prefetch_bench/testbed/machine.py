@@ -71,3 +71,13 @@ def free_page_reporting(devices: str = BALLOON_DEVICES) -> bool:
                 if reports_free_pages(features.read()):
                     return True
     return False
+
+
+def file_system_type(directory: str) -> str:
+    """The type of the file system ``directory`` is on or will be made on (``'ext4'``...).
+
+    Args:
+        directory: A folder, which need not exist yet.
+    """
+    from chainer_prefetch.staging.file_systems import mount_of, read_mounts
+    return mount_of(os.path.realpath(directory), read_mounts()).fs_type
