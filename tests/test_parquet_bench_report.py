@@ -8,7 +8,7 @@ import pytest
 
 from chainer_prefetch.staging import file_systems
 from chainer_prefetch_bench.parquet import bench, cpu_per_batch, read_cost, run_history
-from chainer_prefetch_bench.testbed import processes
+from chainer_prefetch_bench.testbed import machine, processes
 
 
 def _run(method, window, rows_per_s, workers=2):
@@ -470,29 +470,42 @@ def test_the_run_history_times_a_method_after_others_and_after_itself(tmp_path, 
 
 
 def test_the_run_history_compares_the_local_directories_runs_before_staged_into(
-        tmp_path, capsys):
+        tmp_path, capsys, monkeypatch):
     out = tmp_path / 'out'
     first, second = str(tmp_path / 'first'), str(tmp_path / 'second')
+    measured = []  # (method, the configuration's local directory, measure's)
+    measure = bench.measure
+
+    def recording_measure(config, dataset_dir, local_dir, timeout, **kwargs):
+        measured.append((config['method'], config['local_dir'], local_dir))
+        return measure(config, dataset_dir, local_dir, timeout, **kwargs)
+
+    monkeypatch.setattr(bench, 'measure', recording_measure)
     assert run_history.main(_tiny_dataset(tmp_path) + [
         '--batches', '3', '--repeats', '2', '--before', 'ours-threads',
         '--before-local-dirs', '{},{}'.format(first, second),
         '--out', str(out)]) == 0
+    # Every other repeat starts with the other directory; each run has its
+    # directory.
+    order = [first, second, second, first]
+    assert measured == [(method, directory, directory) for directory in order
+                        for method in ('ours-threads', 'ours-memory')]
     runs = json.loads((out / 'run_history.json').read_text())['runs']
-    # Every other repeat starts with the other directory.
-    assert [(run['position'], run['method']) for run in runs] == [
-        ('before', 'ours-threads'), ('after ' + first, 'ours-memory'),
-        ('before', 'ours-threads'), ('after ' + second, 'ours-memory'),
-        ('before', 'ours-threads'), ('after ' + second, 'ours-memory'),
-        ('before', 'ours-threads'), ('after ' + first, 'ours-memory')]
-    assert [run['local_dir'] for run in runs] == [first] * 2 + [second] * 4 + [first] * 2
+    expected = []
+    for directory in order:
+        expected += [('before', 'ours-threads', directory),
+                     ('after ' + directory, 'ours-memory', directory)]
+    assert [(run['position'], run['method'], run['local_dir'])
+            for run in runs] == expected
     assert all(run['rows'] == 300 for run in runs)
-    assert not os.path.exists(first) and not os.path.exists(second)
-    kind = file_systems.mount_of(str(tmp_path), file_systems.read_mounts()).fs_type
+    kind = machine.file_system_type(first)
+    assert json.loads((out / 'run_history.json').read_text())['file_systems'] == {
+        first: kind, second: kind}
     lines = (out / 'table.txt').read_text().splitlines()
-    assert lines[3].split()[:5] == ['ours-memory', 'after', 'ours-threads', 'into',
-                                    first]
-    assert lines[3].split()[5] == '({})'.format(kind)
-    assert lines[4].split()[4] == second
+    assert lines[3].split()[:6] == ['ours-memory', 'after', 'ours-threads', 'staged',
+                                    'into', first]
+    assert lines[3].split()[6] == lines[4].split()[6] == '({})'.format(kind)
+    assert lines[4].split()[5] == second
 
     def median(directory):
         values = sorted(run['rows_per_s'] for run in runs
@@ -501,11 +514,12 @@ def test_the_run_history_compares_the_local_directories_runs_before_staged_into(
 
     assert lines[5] == 'into {} / into {}: {:.2f}x'.format(
         first, second, median(first) / median(second))
-    for bad in (first, '{},{}'.format(first, first), '{},{},{}'.format(first, second, first)):
+    for bad in (first, '{},{}'.format(first, first), '{},{}/'.format(first, first),
+                '{},'.format(first), '{},{},{}'.format(first, second, tmp_path)):
         with pytest.raises(SystemExit):
             run_history.main(['--before-local-dirs', bad])
-        assert '--before-local-dirs needs two different directories' in (
-            capsys.readouterr().err)
+        assert ('--before-local-dirs needs two different directories, got {!r}'.format(
+            bad)) in capsys.readouterr().err
 
 
 def test_every_other_repeat_runs_backwards_and_each_pair_starts_further_on():

@@ -16,10 +16,10 @@ lot::
 With ``--before-local-dirs A,B`` it compares instead the local directories
 the ``--before`` methods stage into: each repeat runs them into ``A`` and
 then ``--method``, and the same into ``B`` (in the other order every other
-repeat); each timed run empties the directory the runs before it filled,
-as the benchmark empties its local directory before every run.  For
-instance, after runs that staged into a tmpfs against the machine's
-disk::
+repeat).  Every run empties its local directory before and after it, as
+the benchmark does, so what a ``--before`` run staged is freed right
+before the timed run.  For instance, after runs that staged into a tmpfs
+against the machine's disk::
 
     python -m chainer_prefetch_bench.parquet.run_history --method ours-memory \\
         --before ours-threads --workers 4 --repeats 8 \\
@@ -27,7 +27,7 @@ disk::
         --out results/parquet/run_history_local_dirs
 """
 import argparse
-import shutil
+import os
 import statistics
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -42,7 +42,7 @@ def run_sequence(method: str, before: List[str], local_dirs: List[str],
 
     With one local directory: the ``before`` methods, then ``method``
     (position ``'after'``) and ``method`` again (``'again'``).  With
-    several: for each directory, the ``before`` methods and then ``method``
+    two: for each directory, the ``before`` methods and then ``method``
     (position ``'after DIRECTORY'``), in reverse order every other repeat.
 
     Args:
@@ -73,7 +73,8 @@ def format_table(runs: List[Dict], method: str, before: List[str],
         method: The method compared.
         before: The methods run before it.
         local_dirs: The two local directories compared, if any.
-        file_systems: The file system type of each of them, shown beside it.
+        file_systems: The file system type of each of them, shown beside it
+            (none where it is empty: not known).
     """
     def rows_per_s(position):
         return [run['rows_per_s'] for run in runs
@@ -82,9 +83,9 @@ def format_table(runs: List[Dict], method: str, before: List[str],
     after_before = '{} after {}'.format(method, '+'.join(before))
     if len(local_dirs) > 1:
         file_systems = file_systems or {}
-        compared = [('{} into {}{}'.format(
+        compared = [('{} staged into {}{}'.format(
             after_before, directory, ' ({})'.format(file_systems[directory])
-            if directory in file_systems else ''),
+            if file_systems.get(directory) else ''),
             rows_per_s('after ' + directory)) for directory in local_dirs]
         ratio_name = 'into {} / into {}'.format(local_dirs[0], local_dirs[1])
     else:
@@ -123,12 +124,13 @@ def main(argv=None) -> int:
                         help='folder for run_history.json and table.txt')
     args = parser.parse_args(argv)
     before = args.before.split(',')
-    local_dirs = (args.before_local_dirs.split(',') if args.before_local_dirs
-                  else [args.local_dir])
-    if args.before_local_dirs and (len(local_dirs) != 2
-                                   or local_dirs[0] == local_dirs[1]):
-        parser.error('--before-local-dirs needs two different directories, '
-                     'got {!r}'.format(args.before_local_dirs))
+    local_dirs = [args.local_dir]
+    if args.before_local_dirs is not None:
+        local_dirs = args.before_local_dirs.split(',')
+        if (len(local_dirs) != 2 or not all(local_dirs) or len(
+                {os.path.realpath(directory) for directory in local_dirs}) != 2):
+            parser.error('--before-local-dirs needs two different directories, '
+                         'got {!r}'.format(args.before_local_dirs))
     def runs_here(method):  # on local files, in this environment
         return not method.startswith('petastorm') and not method.endswith('-shared')
 
@@ -142,6 +144,9 @@ def main(argv=None) -> int:
     sizes = bench.row_group_sizes(dataset)
     machine = machine_description()
     print('free page reporting: {}'.format(machine['free_page_reporting']), flush=True)
+    file_systems = {directory: file_system_type(directory) for directory in local_dirs}
+    width = max(len(position) for _, position, _ in run_sequence(
+        args.method, before, local_dirs, 0))
     runs = []
     for repeat in range(args.repeats):
         for method, position, local_dir in run_sequence(args.method, before,
@@ -151,18 +156,14 @@ def main(argv=None) -> int:
             run = dict(bench.measure(config, dataset, local_dir, timeout=600),
                        position=position, local_dir=local_dir)
             runs.append(run)
-            print('{:<6} {:<14} {:8.0f} rows/s'.format(
-                position, method, run['rows_per_s']), flush=True)
-    if args.before_local_dirs:
-        for directory in local_dirs:
-            shutil.rmtree(directory, ignore_errors=True)
-    table = format_table(runs, args.method, before,
-                         local_dirs if args.before_local_dirs else (),
-                         {directory: file_system_type(directory)
-                          for directory in local_dirs})
+            print('{:<{}} {:<14} {:8.0f} rows/s'.format(
+                position, width, method, run['rows_per_s']), flush=True)
+    compared = local_dirs if args.before_local_dirs is not None else ()
+    table = format_table(runs, args.method, before, compared, file_systems)
     print(table)
     if args.out:
-        write_results(args.out, __spec__.name, argv, runs, table, machine=machine)
+        write_results(args.out, __spec__.name, argv, runs, table, machine=machine,
+                      file_systems=file_systems)
     return 0
 
 

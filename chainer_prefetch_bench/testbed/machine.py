@@ -78,6 +78,9 @@ def file_system_type(directory: str) -> str:
 
     Args:
         directory: A folder, which need not exist yet.
+
+    Returns:
+        The type, or ``''`` when the mount table cannot be read.
     """
     from chainer_prefetch.staging.file_systems import mount_of, read_mounts
     return mount_of(os.path.realpath(directory), read_mounts()).fs_type
