@@ -66,13 +66,14 @@ def format_table(runs: List[Dict], method: str, before: List[str],
     """Medians of ``method`` after ``before`` and after itself, and their ratio.
 
     With two ``local_dirs``: the medians of ``method`` after ``before``
-    staged into each, and the first over the second.
+    staged into each, and the first over the second (with one, or none:
+    after ``before`` and after itself).
 
     Args:
         runs: Every run, each with its ``position`` (:func:`run_sequence`).
         method: The method compared.
         before: The methods run before it.
-        local_dirs: The two local directories compared, if any.
+        local_dirs: The local directories of the runs (:func:`run_sequence`).
         file_systems: The file system type of each of them, shown beside it
             (none where it is empty: not known).
     """
@@ -82,11 +83,13 @@ def format_table(runs: List[Dict], method: str, before: List[str],
 
     after_before = '{} after {}'.format(method, '+'.join(before))
     if len(local_dirs) > 1:
-        file_systems = file_systems or {}
-        compared = [('{} staged into {}{}'.format(
-            after_before, directory, ' ({})'.format(file_systems[directory])
-            if file_systems.get(directory) else ''),
-            rows_per_s('after ' + directory)) for directory in local_dirs]
+        kinds = file_systems or {}
+        compared = []
+        for directory in local_dirs:
+            kind = kinds.get(directory)
+            name = '{} staged into {}{}'.format(
+                after_before, directory, ' ({})'.format(kind) if kind else '')
+            compared.append((name, rows_per_s('after ' + directory)))
         ratio_name = 'into {} / into {}'.format(local_dirs[0], local_dirs[1])
     else:
         compared = [(after_before, rows_per_s('after')),
@@ -158,8 +161,7 @@ def main(argv=None) -> int:
             runs.append(run)
             print('{:<{}} {:<14} {:8.0f} rows/s'.format(
                 position, width, method, run['rows_per_s']), flush=True)
-    compared = local_dirs if args.before_local_dirs is not None else ()
-    table = format_table(runs, args.method, before, compared, file_systems)
+    table = format_table(runs, args.method, before, local_dirs, file_systems)
     print(table)
     if args.out:
         write_results(args.out, __spec__.name, argv, runs, table, machine=machine,
