@@ -639,7 +639,11 @@ class ColumnConverter(Converter):
     taken straight from its columns: array columns are sent to the device,
     :class:`VarColumn` and ``object`` columns stay on the host (decode them
     in the dataset's transform, or in the model).  Any other batch goes to
-    ``concat_examples``.  Use it as the updater's and evaluator's
+    ``concat_examples``, except a list of examples with ``str`` or
+    ``bytes`` values (rows of a Parquet dataset on the row path, e.g. with
+    the next-epoch cache), which ``concat_examples`` cannot stack: it is
+    made columns first (:meth:`ColumnarBatch.from_examples`), as the
+    columnar path delivers them.  Use it as the updater's and evaluator's
     ``converter``; it pickles, so it also works with ``forkserver``.
 
     Args:
@@ -653,7 +657,16 @@ class ColumnConverter(Converter):
     def __call__(self, batch, device=None):
         if isinstance(batch, ColumnarBatch):
             return batch.arrays(device)
+        if self.padding is None and len(batch) and _holds_text(batch[0]):
+            return ColumnarBatch.from_examples(batch).arrays(device)
         return concat_examples(batch, device, self.padding)
+
+
+def _holds_text(example) -> bool:
+    """Whether an example (a dict, a tuple or one value) has a ``str`` or ``bytes`` value."""
+    values = (example.values() if isinstance(example, dict)
+              else example if isinstance(example, tuple) else (example,))
+    return any(isinstance(value, (str, bytes)) for value in values)
 
 
 #: The converter for columnar batches (see :class:`ColumnConverter`).

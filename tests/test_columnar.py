@@ -140,6 +140,27 @@ def test_the_converter_gives_what_concat_examples_gives():
     assert isinstance(pickle.loads(pickle.dumps(concat_columns)), ColumnConverter)
 
 
+def test_the_converter_makes_columns_of_rows_with_text():
+    # Rows as the row path gives them (e.g. with the next-epoch cache):
+    # concat_examples cannot stack str or bytes; the converter gives what
+    # the columnar path gives for the same rows.
+    rows = [{'id': i, 'title': 'w' * i, 'image': bytes([i]) * 3} for i in range(4)]
+    with pytest.raises(TypeError):
+        chainer.dataset.concat_examples(rows)
+    got = concat_columns(rows)
+    expected = ColumnarBatch.from_examples(rows).arrays()
+    np.testing.assert_array_equal(got['id'], [0, 1, 2, 3])
+    assert isinstance(got['title'], VarColumn) and got['title'].kind == 'str'
+    assert got['title'][3] == 'www' and got['image'][2] == b'\x02' * 3
+    assert sorted(got) == sorted(expected)
+    as_tuples = concat_columns([(i, 'w') for i in range(3)])
+    np.testing.assert_array_equal(as_tuples[0], [0, 1, 2])
+    assert list(as_tuples[1]) == ['w', 'w', 'w']
+    # Without text, still concat_examples (a plain list of arrays too).
+    np.testing.assert_array_equal(concat_columns([np.arange(2), np.arange(2)]),
+                                  [[0, 1], [0, 1]])
+
+
 def test_columns_cross_a_shared_buffer_and_come_back_equal():
     batch = _batch()
     objects = np.empty(5, dtype=object)

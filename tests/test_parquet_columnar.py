@@ -323,6 +323,19 @@ def _fails_on_batches(batch):
     raise KeyError('no column "label"')
 
 
+def _row_17_failing(iterator) -> ExampleLoadError:
+    """What the second batch (rows 10..19, in order) of ``iterator`` raises; finalizes it."""
+    try:
+        iterator.next()
+        with pytest.raises(ValueError, match='cannot use row 17') as raised:
+            iterator.next()
+    finally:
+        iterator.finalize()
+    assert isinstance(raised.value, ExampleLoadError)
+    assert raised.value.index == 17
+    return raised.value
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize('loader_threads', [False, True])
@@ -332,17 +345,10 @@ def test_a_transform_failing_on_one_row_is_named(shop, loader_threads):
         dataset.get_columns([3, 17, 4])
     assert raised.value.index == 17
     assert 'part-00000.parquet (row group 1)' in str(raised.value)
-    iterator = PrefetchMultiprocessIterator(dataset, 10, n_processes=2,
-                                            shuffle=False,
-                                            loader_threads=loader_threads)
-    try:
-        iterator.next()
-        with pytest.raises(ValueError, match='cannot use row 17') as raised:
-            iterator.next()
-    finally:
-        iterator.finalize()
-    assert isinstance(raised.value, ExampleLoadError)
-    assert raised.value.index == 17 and 'example 17' in str(raised.value)
+    error = _row_17_failing(PrefetchMultiprocessIterator(
+        dataset, 10, n_processes=2, shuffle=False,
+        loader_threads=loader_threads))
+    assert 'example 17' in str(error)
     batch_failing = ParquetDataset(shop, columns=['id'],
                                    batch_transform=_fails_on_batches)
     with pytest.raises(KeyError) as raised:
@@ -351,6 +357,21 @@ def test_a_transform_failing_on_one_row_is_named(shop, loader_threads):
     assert 'batch_transform on 3 examples (40, 41, 50)' in message
     assert 'part-00001.parquet (row group 0)' in message
     assert 'part-00001.parquet (row group 1)' in message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_row_failing_on_the_row_path_is_named_by_its_file_and_row_group(
+        shop, tmp_path):
+    # Staged row groups are local files with virtual names; the error names
+    # the Parquet file and row group, as on the columnar path.
+    dataset = ParquetDataset(shop, columns=['id'], transform=_fails_on_row_17)
+    error = _row_17_failing(PrefetchMultiprocessIterator(
+        dataset, 10, n_processes=2, shuffle=False, columnar=False,
+        local_dir=str(tmp_path / 'local')))
+    (named,) = error.files
+    assert named.endswith('part-00000.parquet (row group 1)'), named
+    assert named in str(error)
 
 
 def test_columnar_is_the_default_unless_the_next_epoch_cache_is_on(shop):

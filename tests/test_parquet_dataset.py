@@ -247,6 +247,32 @@ def test_corrupt_data_is_named_when_read_and_metadata_still_works(shop, tmp_path
         dataset[12]
 
 
+def test_corrupt_data_in_place_does_not_blame_a_rewrite(shop, tmp_path):
+    directory = _copy_of(shop, tmp_path)
+    victim = os.path.join(directory, 'part-00000.parquet')
+    helpers.corrupt_row_group(victim, 1)
+    dataset = ParquetDataset(directory, columns=['id', 'title'])
+    with pytest.raises(ParquetFileError) as raised:
+        dataset[12]
+    assert 'rewritten' not in str(raised.value)
+
+
+def test_a_file_rewritten_after_the_dataset_was_made_is_named_as_such(
+        shop, tmp_path):
+    directory = _copy_of(shop, tmp_path)
+    dataset = ParquetDataset(directory, columns=['id', 'title'])
+    victim = os.path.join(directory, 'part-00001.parquet')
+    # The same schema, other row groups: the footer the dataset read no
+    # longer describes the file.
+    table = pyarrow.parquet.read_table(victim).slice(0, 25)
+    pyarrow.parquet.write_table(table, victim + '.new', row_group_size=7)
+    os.replace(victim + '.new', victim)
+    with pytest.raises(ParquetFileError,
+                       match=r'(?s)row group 2 of {}: .*rewritten after the '
+                             r'dataset read its footer'.format(victim)):
+        dataset[55]  # row 25 of the file, in its third row group of 10
+
+
 def test_a_row_group_read_in_parallel_pieces_equals_arrows_own_read(
         shop, monkeypatch):
     monkeypatch.setattr(parquet_module, 'READ_PIECE_BYTES', 64)  # many pieces

@@ -21,6 +21,7 @@ from chainer_prefetch.staging import (
     SourceFileError,
     resolve_dataset_files,
 )
+from chainer_prefetch.staging.dataset_files import ItemSources
 from chainer_prefetch.staging.sources import using_reads_ahead
 from chainer_prefetch_bench.testbed import parquet_dataset as make_parquet_dataset
 
@@ -344,6 +345,42 @@ def test_row_groups_live_under_the_capacity_limit_each_read_once_per_epoch(
     # left (about half when copies keep ahead; on a loaded machine, which
     # ones are still there when the consumer reaches them varies).
     assert stats['files_copied'] < 2 * n_groups
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize('local', ['directory', ':memory:'])
+def test_a_copy_window_longer_than_the_capacity_leaves_no_row_group_on_shared_storage(
+        shop, tmp_path, local):
+    # The default n_copy_ahead (16 batches of 10 rows) spans every row group
+    # of the dataset; room for 3 of them.  Stage 1 stays within what the
+    # store holds, so every row of both epochs is read from a local copy.
+    dataset = ParquetDataset(shop, columns=['id', 'image'])
+    files = resolve_dataset_files(dataset)
+    largest = ItemSources(files, files.item_of()).largest_local_bytes()
+    assert largest == max(RowGroupFile(_part(shop, number), group, ['id', 'image'])
+                          .estimated_local_bytes(None)
+                          for number in range(FILES) for group in range(4))
+    capacity = 3 * largest
+    sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes, window=2,
+                                         seed=6)
+    iterator = PrefetchMultiprocessIterator(
+        dataset, 10, n_processes=2, order_sampler=sampler,
+        local_dir=str(tmp_path / 'local') if local == 'directory' else local,
+        loader_threads=local == ':memory:', local_capacity=capacity)
+    try:
+        ids = []
+        while iterator.epoch < 2:
+            ids.extend(int(example['id']) for example in iterator.next())
+        stats = iterator.stats
+    finally:
+        iterator.finalize()
+    assert sorted(ids[:ROWS]) == sorted(ids[ROWS:2 * ROWS]) == list(range(ROWS))
+    for epoch in (0, 1):
+        counts = stats['by_epoch'][epoch]
+        assert counts['examples_from_local'] == ROWS, stats
+    assert stats['items_bypassed'] == 0, stats
+    assert stats['local_bytes_used'] <= capacity
 
 
 @pytest.mark.parametrize('one_at_a_time', [True, False])

@@ -119,6 +119,10 @@ class RowGroupFile(DerivedFile):
         return type(self), (self.origin, self.row_group, self.columns,
                             self._metadata)
 
+    def describe(self) -> str:
+        """``<file> (row group <index>)``, as the dataset's own errors name it."""
+        return row_group_label(self.origin, self.row_group)
+
     def _column_chunks(self):
         metadata = self._metadata
         if metadata is None:
@@ -342,7 +346,7 @@ def read_row_group(path: str, row_group: int, columns: Sequence[str],
     except MemoryError:  # (Arrow's too) not the file's fault
         raise
     except READ_ERRORS as error:
-        raise _row_group_error(row_group, path, error) from error
+        raise _row_group_error(row_group, path, error, metadata) from error
 
 
 def open_parquet_file(path: str, row_group: int, columns: Sequence[str],
@@ -366,6 +370,7 @@ def open_parquet_file(path: str, row_group: int, columns: Sequence[str],
     Raises:
         ParquetFileError: the file cannot be read or is corrupt.
     """
+    given = metadata
     try:
         if metadata is None:
             metadata = _read_metadata(path)
@@ -377,13 +382,41 @@ def open_parquet_file(path: str, row_group: int, columns: Sequence[str],
     except MemoryError:  # (Arrow's too) not the file's fault
         raise
     except READ_ERRORS as error:
-        raise _row_group_error(row_group, path, error) from error
+        raise _row_group_error(row_group, path, error, given) from error
 
 
-def _row_group_error(row_group: int, path: str, error: Exception
-                     ) -> ParquetFileError:
-    return ParquetFileError('cannot read row group {} of {}: {}'.format(
-        row_group, path, error))
+def row_group_label(path: str, row_group: int) -> str:
+    """How messages name a row group: ``<file> (row group <index>)``."""
+    return '{} (row group {})'.format(path, row_group)
+
+
+def _row_group_error(row_group: int, path: str, error: Exception,
+                     metadata=None) -> ParquetFileError:
+    """The error for a row group that cannot be read.
+
+    Args:
+        row_group, path: Which row group of which file.
+        error: What reading or decoding it raised.
+        metadata: The footer it was read with, if one read earlier (by the
+            dataset): when the file's footer is now another, the message
+            says that the file changed since, the likely cause.
+    """
+    changed = ''
+    if metadata is not None and not _footer_is(path, metadata):
+        changed = ('; the file was rewritten after the dataset read its '
+                   'footer: make the dataset again')
+    return ParquetFileError('cannot read row group {} of {}: {}{}'.format(
+        row_group, path, error, changed))
+
+
+def _footer_is(path: str, metadata) -> bool:
+    """Whether ``path`` still has the footer ``metadata`` (``False`` if it cannot be read)."""
+    try:
+        return pyarrow.parquet.read_metadata(path).equals(metadata)
+    except MemoryError:
+        raise
+    except READ_ERRORS:
+        return False
 
 
 def _selected_chunks(metadata, row_group: int, columns: Sequence[str]):
@@ -950,7 +983,7 @@ class ParquetDataset(DatasetMixin):
         return result
 
     def _files_of(self, groups) -> Tuple[str, ...]:
-        return tuple('{} (row group {})'.format(
+        return tuple(row_group_label(
             self.files[self.row_group_locations[self.row_groups[group]][0]],
             self.row_group_locations[self.row_groups[group]][1])
             for group in sorted(set(int(group) for group in groups)))

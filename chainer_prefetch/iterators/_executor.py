@@ -747,7 +747,8 @@ class Executor:
         files = ()
         if self._files is not None:
             try:
-                files = tuple(map(str, self._files.files(index)))
+                files = tuple(as_source(named).describe()
+                              for named in self._files.files(index))
             except Exception:
                 pass
         if isinstance(error, WorkerDiedError):

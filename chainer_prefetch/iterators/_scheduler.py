@@ -42,6 +42,10 @@ Counted in batches since the last reset, and monotone between resets::
     loads run only for batches < delivered + the decode window
                                   (DECODE_WINDOW; config.decode_window
                                   for columnar batches)
+    items the batches in flight use <= max_items_ahead
+                                  (items shared by examples under a
+                                  capacity limit; one batch alone may
+                                  use more)
 
 The copy window opens one batch per batch delivered ("slow start": at
 start-up, copies for batches far ahead would take bandwidth from those the
@@ -86,7 +90,7 @@ import collections
 import dataclasses
 import enum
 import itertools
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 import numpy
 
@@ -385,6 +389,13 @@ class SchedulerConfig:
             start-up; ``False`` for items that stage 2 copies one at a time
             in the order needed (Parquet row groups), where a copy for a
             later batch cannot take bandwidth from an earlier one.
+        max_items_ahead: Most items (of ``item_of``) that the batches
+            between delivered and generated may use together: the local
+            store holds an item from its copy until its batches have loaded
+            it, so a copy window using more items than ``local_capacity``
+            holds would leave the later ones on shared storage, read there
+            by every loader.  ``None``: no limit.  A batch that alone uses
+            more is still generated, once no other is in flight.
     """
 
     batch_size: int
@@ -404,6 +415,7 @@ class SchedulerConfig:
     columnar: bool = False
     decode_window: int = DECODE_WINDOW
     slow_start: bool = True
+    max_items_ahead: Optional[int] = None
 
 
 class _Buffers:
@@ -600,11 +612,16 @@ class Scheduler:
         self._holding: Dict[int, _Batch] = {}  # batches with Hold entries to send
         self._exhausted = False
         self.taken = self.delivered = self.generated = 0
+        self._next_indices = None  # stage 1's next step, not taken yet
+        # How many batches in flight use each item (with max_items_ahead).
+        self._items_ahead: collections.Counter = collections.Counter()
         self._delivered_ever = 0  # batches delivered since the start (slow start)
         self._slow_start_over = not config.slow_start  # the window is wholly open
         self._reads_only_local = True  # no load reads shared storage (slow start)
         if config.columnar and cache is not None:
             raise ValueError('columnar batches do not use the next-epoch cache')
+        if config.max_items_ahead is not None and config.item_of is None:
+            raise ValueError('max_items_ahead counts the items of item_of')
         self._decode_window = (max(DECODE_WINDOW, config.decode_window)
                                if config.columnar else DECODE_WINDOW)
         self._buffers = _Buffers(self._decode_window + config.n_prefetch + 2,
@@ -644,6 +661,14 @@ class Scheduler:
         assert self.generated - self.delivered <= self._copy_window()
         assert self._copy_window() <= config.n_copy_ahead
         assert len(self._in_flight) == self.generated - self.delivered
+        if config.max_items_ahead is not None:
+            uses = collections.Counter()
+            for entry in self._in_flight:
+                if isinstance(entry, _Batch):
+                    uses.update(self._items_of(entry))
+            assert uses == self._items_ahead, (uses, self._items_ahead)
+            batches = sum(isinstance(entry, _Batch) for entry in self._in_flight)
+            assert len(uses) <= config.max_items_ahead or batches == 1, uses
         for offset, entry in enumerate(self._in_flight):
             if isinstance(entry, _Batch) and offset >= self._decode_window:
                 assert not entry.dispatched, 'load outside the decode window'
@@ -677,6 +702,8 @@ class Scheduler:
             self.cache.clear()
             self._cache_epoch = -1
         self._state = event.state
+        self._next_indices = None
+        self._items_ahead.clear()
         self._generation = event.generation
         self._exhausted = False
         self.taken = self.delivered = self.generated = 0
@@ -840,9 +867,15 @@ class Scheduler:
             first_access = (self._state.epoch * config.dataset_length
                             + self._state.current_position)
             try:
-                self._state, indices = lookahead.lookahead_statemachine(
-                    self._state, config.batch_size, config.repeat,
-                    config.order_sampler, config.dataset_length)
+                if self._next_indices is None:
+                    self._next_indices = lookahead.lookahead_statemachine(
+                        self._state, config.batch_size, config.repeat,
+                        config.order_sampler, config.dataset_length)
+                state, indices = self._next_indices
+                if indices is not None and not self._room_ahead_for(indices):
+                    return  # until a delivery frees items
+                self._next_indices = None
+                self._state = state
                 self._register_orders()
             except Exception as error:
                 self._push(_Marker('failure', error=error))
@@ -855,6 +888,8 @@ class Scheduler:
             batch = self._new_batch(indices, first_access)
             self._batches[batch.id] = batch
             self._push(batch)
+            if config.max_items_ahead is not None:
+                self._items_ahead.update(self._items_of(batch))
             if self._future is not None:
                 batch.next_uses = [
                     self._future.following_use(self._item(int(index)),
@@ -862,6 +897,18 @@ class Scheduler:
                     for position, index in enumerate(batch.indices)]
             for position in range(batch.size):
                 self._plan(batch, position)
+
+    def _room_ahead_for(self, indices) -> bool:
+        """Whether a batch of ``indices`` keeps the items in flight within ``max_items_ahead``."""
+        limit = self.config.max_items_ahead
+        if limit is None or self.generated == self.delivered:
+            return True
+        items = set(self.config.item_of[numpy.asarray(indices)].tolist())
+        return len(self._items_ahead) + len(items - self._items_ahead.keys()) <= limit
+
+    def _items_of(self, batch) -> Set[int]:
+        """The items ``batch`` uses (for a columnar batch, its units' items)."""
+        return set(self.config.item_of[batch.indices].tolist())
 
     def _new_batch(self, indices, first_access) -> _Batch:
         if not self.config.columnar:
@@ -1091,6 +1138,9 @@ class Scheduler:
             if hand_over:
                 head.buffer = None  # the consumer's until BufferReleased
             self._discard(head)
+        if self.config.max_items_ahead is not None and isinstance(head, _Batch):
+            self._items_ahead.subtract(self._items_of(head))
+            self._items_ahead += collections.Counter()  # (drops the zeros)
         self._in_flight.popleft()
         self.delivered += 1
         self._delivered_ever += 1

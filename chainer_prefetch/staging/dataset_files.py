@@ -125,6 +125,29 @@ class ItemSources:
             self._first_example[item])
         return [as_source(named) for named in self._files.files(index)]
 
+    def largest_local_bytes(self) -> int:
+        """The largest estimate of an item's local form, for items shared by examples.
+
+        Each origin is stat'ed once (the row groups of a Parquet file share
+        theirs).
+
+        Raises:
+            ValueError: each example is its own item (``item_of`` is ``None``).
+            SourceFileError: an origin cannot be read (the message names it).
+        """
+        if self._first_example is None:
+            raise ValueError('largest_local_bytes is for items shared by examples')
+        stats: Dict[str, os.stat_result] = {}
+        largest = 0
+        for item in numpy.flatnonzero(self._first_example >= 0):
+            size = 0
+            for source in self(int(item)):
+                if source.origin not in stats:
+                    stats[source.origin] = source.stat_origin()
+                size += source.estimated_local_bytes(stats[source.origin])
+            largest = max(largest, size)
+        return largest
+
 
 def resolve_dataset_files(dataset) -> Optional[DatasetFiles]:
     """Finds the files behind ``dataset``.

@@ -65,6 +65,10 @@ class Source:
     def __str__(self):
         return self.name
 
+    def describe(self) -> str:
+        """How error messages name the source: its path (``name``) by default."""
+        return self.name
+
     def stat_origin(self) -> os.stat_result:
         """``os.stat`` of the origin.
 
