@@ -8,9 +8,10 @@ the files.  :func:`discover_partitions` reads them back from the paths:
   directory and each file, in order; every file must have the same keys;
 * values are URL-unquoted (Hive escapes ``/``, ``=`` and others as ``%XX``);
   ``__HIVE_DEFAULT_PARTITION__`` (Hive's name for null) is ``None``;
-* each column's type is inferred from all its values, as Spark does: 64-bit
-  integers if every value is one, else 64-bit floats if every value is a
-  number, else strings; ``types`` overrides the inference per key.
+* each column's type is inferred from all its values, as Spark infers
+  numbers: 64-bit integers if every value is one, else 64-bit floats if
+  every value is a number, else strings (dates and timestamps too, which
+  Spark would infer); ``types`` overrides the inference per key.
 """
 import os
 import re
