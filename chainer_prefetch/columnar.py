@@ -639,11 +639,11 @@ class ColumnConverter(Converter):
     taken straight from its columns: array columns are sent to the device,
     :class:`VarColumn` and ``object`` columns stay on the host (decode them
     in the dataset's transform, or in the model).  Any other batch goes to
-    ``concat_examples``, except a list of examples with ``str`` or
-    ``bytes`` values (rows of a Parquet dataset on the row path, e.g. with
-    the next-epoch cache), which ``concat_examples`` cannot stack: it is
-    made columns first (:meth:`ColumnarBatch.from_examples`), as the
-    columnar path delivers them.  Use it as the updater's and evaluator's
+    ``concat_examples``, except (without ``padding``) a list of examples
+    with ``str`` or ``bytes`` values (rows of a Parquet dataset on the row
+    path, e.g. with the next-epoch cache), which ``concat_examples`` cannot
+    stack: it is made columns first (:meth:`ColumnarBatch.from_examples`),
+    as the columnar path delivers them.  Use it as the updater's and evaluator's
     ``converter``; it pickles, so it also works with ``forkserver``.
 
     Args:
@@ -657,7 +657,7 @@ class ColumnConverter(Converter):
     def __call__(self, batch, device=None):
         if isinstance(batch, ColumnarBatch):
             return batch.arrays(device)
-        if self.padding is None and len(batch) and _holds_text(batch[0]):
+        if self.padding is None and any(map(_holds_text, batch)):
             return ColumnarBatch.from_examples(batch).arrays(device)
         return concat_examples(batch, device, self.padding)
 

@@ -153,6 +153,10 @@ def test_the_converter_makes_columns_of_rows_with_text():
     assert isinstance(got['title'], VarColumn) and got['title'].kind == 'str'
     assert got['title'][3] == 'www' and got['image'][2] == b'\x02' * 3
     assert sorted(got) == sorted(expected)
+    # A text column whose first value is None (a null) too.
+    nullable = concat_columns([{'s': None, 'n': 1}, {'s': 'x', 'n': 2}])
+    assert list(nullable['s']) == [None, 'x']
+    np.testing.assert_array_equal(nullable['n'], [1, 2])
     as_tuples = concat_columns([(i, 'w') for i in range(3)])
     np.testing.assert_array_equal(as_tuples[0], [0, 1, 2])
     assert list(as_tuples[1]) == ['w', 'w', 'w']

@@ -255,6 +255,17 @@ def test_corrupt_data_in_place_does_not_blame_a_rewrite(shop, tmp_path):
     with pytest.raises(ParquetFileError) as raised:
         dataset[12]
     assert 'rewritten' not in str(raised.value)
+    # Nor a file gone or cut short, whose footer cannot be read.
+    cut = os.path.join(directory, 'part-00002.parquet')
+    with open(cut, 'r+b') as f:
+        f.truncate(100)
+    with pytest.raises(ParquetFileError) as raised:
+        dataset[85]
+    assert 'rewritten' not in str(raised.value)
+    os.remove(os.path.join(directory, 'part-00001.parquet'))
+    with pytest.raises(ParquetFileError) as raised:
+        dataset[45]
+    assert 'rewritten' not in str(raised.value)
 
 
 def test_a_file_rewritten_after_the_dataset_was_made_is_named_as_such(

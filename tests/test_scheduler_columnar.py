@@ -148,16 +148,18 @@ def test_columns_that_did_not_fit_grow_later_buffers():
 
 @pytest.mark.parametrize('make_driver', [ColumnarDriver, Driver])
 def test_the_batches_ahead_use_no_more_items_than_the_store_holds(make_driver):
-    # 24 rows in 4 items of 6, shuffled: a batch of 3 uses 1-3 items, and a
-    # copy window of 8 batches all 4.  With room for 2, stage 1 waits for
-    # deliveries instead of asking for copies that the store would leave
-    # on shared storage; a batch that alone uses 3 still goes, alone
-    # (check_invariants, after every step, asserts both).
+    # 24 rows in 4 items of 6 (of 10 bytes each), shuffled: a batch of 3
+    # uses 1-3 items, and a copy window of 8 batches all 4.  With room for
+    # 2, stage 1 waits for deliveries instead of asking for copies that the
+    # store would leave on shared storage; a batch that alone uses 3 still
+    # goes, alone (check_invariants, after every step, asserts both).
+    asked = []
     options = dict(n=24, batch_size=3, staging=True, limited=True,
                    item_of=ROW_GROUPS, cancellable=False, n_copy_ahead=8)
     unlimited = make_driver(**options)
     assert len({copy.item for copy in unlimited.copies.values()}) == 4
-    driver = make_driver(max_items_ahead=2, **options)
+    driver = make_driver(max_bytes_ahead=25, item_bytes=lambda item: (
+        asked.append(item) or 10), **options)
     copying = {copy.item for copy in driver.copies.values()}
     assert len(copying) == 2, copying
     alone = 0
@@ -165,7 +167,7 @@ def test_the_batches_ahead_use_no_more_items_than_the_store_holds(make_driver):
     while len(driver.batches()) < len(batches):
         scheduler = driver.scheduler
         in_flight = scheduler.generated - scheduler.delivered
-        alone += in_flight == 1 and len(scheduler._items_ahead) > 2
+        alone += in_flight == 1 and scheduler._items_ahead.bytes > 25
         if driver.copies:
             driver.finish_copy()
         elif driver.loads:
@@ -174,20 +176,23 @@ def test_the_batches_ahead_use_no_more_items_than_the_store_holds(make_driver):
             driver.consume()
     assert driver.batches() == batches
     assert alone > 0
+    assert set(asked) == {0, 1, 2, 3}
     assert all(len({int(ROW_GROUPS[i]) for i in batch}) <= 3 for batch in batches)
 
 
 def test_the_items_ahead_are_those_of_item_of():
-    with pytest.raises(ValueError, match='item_of'):
-        ColumnarDriver(n=24, batch_size=3, staging=True, limited=True,
-                       max_items_ahead=2)
+    for missing in ({'item_bytes': len}, {'item_of': ROW_GROUPS}):
+        with pytest.raises(ValueError, match='item_of and item_bytes'):
+            ColumnarDriver(n=24, batch_size=3, staging=True, limited=True,
+                           max_bytes_ahead=2, **missing)
 
 
 def test_the_items_ahead_end_with_the_data():
     driver = ColumnarDriver(n=24, batch_size=3, staging=True, limited=True,
                             item_of=ROW_GROUPS, cancellable=False,
-                            n_copy_ahead=8, repeat=False, max_items_ahead=2)
+                            n_copy_ahead=8, repeat=False, max_bytes_ahead=2,
+                            item_bytes=lambda item: 1)
     assert driver.run(8) == chainer_batches(24, 3, 0, 8)
     while driver.delivered[-1].kind != 'end':
         driver.consume()
-    assert not driver.scheduler._items_ahead
+    assert driver.scheduler._items_ahead.bytes == 0

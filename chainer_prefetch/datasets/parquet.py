@@ -398,24 +398,24 @@ def _row_group_error(row_group: int, path: str, error: Exception,
         row_group, path: Which row group of which file.
         error: What reading or decoding it raised.
         metadata: The footer it was read with, if one read earlier (by the
-            dataset): when the file's footer is now another, the message
+            dataset): when the file now has another footer, the message
             says that the file changed since, the likely cause.
     """
     changed = ''
-    if metadata is not None and not _footer_is(path, metadata):
+    if metadata is not None and _footer_changed(path, metadata):
         changed = ('; the file was rewritten after the dataset read its '
                    'footer: make the dataset again')
     return ParquetFileError('cannot read row group {} of {}: {}{}'.format(
         row_group, path, error, changed))
 
 
-def _footer_is(path: str, metadata) -> bool:
-    """Whether ``path`` still has the footer ``metadata`` (``False`` if it cannot be read)."""
+def _footer_changed(path: str, metadata) -> bool:
+    """Whether ``path`` now has a footer other than ``metadata`` (``False`` if none can be read)."""
     try:
-        return pyarrow.parquet.read_metadata(path).equals(metadata)
+        return not pyarrow.parquet.read_metadata(path).equals(metadata)
     except MemoryError:
         raise
-    except READ_ERRORS:
+    except READ_ERRORS:  # gone, unreadable or truncated: not known to be rewritten
         return False
 
 

@@ -42,7 +42,7 @@ Counted in batches since the last reset, and monotone between resets::
     loads run only for batches < delivered + the decode window
                                   (DECODE_WINDOW; config.decode_window
                                   for columnar batches)
-    items the batches in flight use <= max_items_ahead
+    item_bytes of the items the batches in flight use <= max_bytes_ahead
                                   (items shared by examples under a
                                   capacity limit; one batch alone may
                                   use more)
@@ -389,13 +389,17 @@ class SchedulerConfig:
             start-up; ``False`` for items that stage 2 copies one at a time
             in the order needed (Parquet row groups), where a copy for a
             later batch cannot take bandwidth from an earlier one.
-        max_items_ahead: Most items (of ``item_of``) that the batches
-            between delivered and generated may use together: the local
-            store holds an item from its copy until its batches have loaded
-            it, so a copy window using more items than ``local_capacity``
-            holds would leave the later ones on shared storage, read there
-            by every loader.  ``None``: no limit.  A batch that alone uses
-            more is still generated, once no other is in flight.
+        max_bytes_ahead: Most bytes (``item_bytes`` of each) that the
+            items (of ``item_of``) used by the batches between delivered
+            and generated may take together: the local store holds an item
+            from its copy until its batches have loaded it, so a copy
+            window using more items than ``local_capacity`` holds would
+            leave the later ones on shared storage, read there by every
+            loader.  ``None``: no limit.  A batch that alone uses more is
+            still generated, once no other is in flight.
+        item_bytes: ``item_bytes(item)``, an item's estimated local bytes
+            (asked once for each item a batch reaches; with
+            ``max_bytes_ahead``).
     """
 
     batch_size: int
@@ -415,7 +419,8 @@ class SchedulerConfig:
     columnar: bool = False
     decode_window: int = DECODE_WINDOW
     slow_start: bool = True
-    max_items_ahead: Optional[int] = None
+    max_bytes_ahead: Optional[int] = None
+    item_bytes: Optional[Callable[[int], int]] = None
 
 
 class _Buffers:
@@ -578,6 +583,41 @@ class _Marker:
         self.error = error
 
 
+class _ItemsAhead:
+    """The items the batches in flight use, and their bytes together.
+
+    Args:
+        item_bytes: ``item_bytes(item)``, an item's estimated local bytes.
+    """
+
+    def __init__(self, item_bytes: Callable[[int], int]):
+        self._item_bytes = item_bytes
+        self.uses: collections.Counter = collections.Counter()  # item -> batches
+        self.bytes = 0
+
+    def bytes_with(self, items: Set[int]) -> int:
+        """The bytes together if a batch using ``items`` joined."""
+        return self.bytes + sum(self._item_bytes(item) for item in items
+                                if item not in self.uses)
+
+    def add(self, items: Set[int]):
+        for item in items:
+            if item not in self.uses:
+                self.bytes += self._item_bytes(item)
+            self.uses[item] += 1
+
+    def remove(self, items: Set[int]):
+        for item in items:
+            self.uses[item] -= 1
+            if not self.uses[item]:
+                del self.uses[item]
+                self.bytes -= self._item_bytes(item)
+
+    def clear(self):
+        self.uses.clear()
+        self.bytes = 0
+
+
 class _CopyState:
     """A copy in flight and the accesses waiting for it."""
 
@@ -613,15 +653,16 @@ class Scheduler:
         self._exhausted = False
         self.taken = self.delivered = self.generated = 0
         self._next_indices = None  # stage 1's next step, not taken yet
-        # How many batches in flight use each item (with max_items_ahead).
-        self._items_ahead: collections.Counter = collections.Counter()
+        self._items_ahead = (None if config.max_bytes_ahead is None
+                             else _ItemsAhead(config.item_bytes))
         self._delivered_ever = 0  # batches delivered since the start (slow start)
         self._slow_start_over = not config.slow_start  # the window is wholly open
         self._reads_only_local = True  # no load reads shared storage (slow start)
         if config.columnar and cache is not None:
             raise ValueError('columnar batches do not use the next-epoch cache')
-        if config.max_items_ahead is not None and config.item_of is None:
-            raise ValueError('max_items_ahead counts the items of item_of')
+        if config.max_bytes_ahead is not None and (config.item_of is None
+                                                   or config.item_bytes is None):
+            raise ValueError('max_bytes_ahead needs item_of and item_bytes')
         self._decode_window = (max(DECODE_WINDOW, config.decode_window)
                                if config.columnar else DECODE_WINDOW)
         self._buffers = _Buffers(self._decode_window + config.n_prefetch + 2,
@@ -661,14 +702,16 @@ class Scheduler:
         assert self.generated - self.delivered <= self._copy_window()
         assert self._copy_window() <= config.n_copy_ahead
         assert len(self._in_flight) == self.generated - self.delivered
-        if config.max_items_ahead is not None:
+        if self._items_ahead is not None:
             uses = collections.Counter()
             for entry in self._in_flight:
                 if isinstance(entry, _Batch):
                     uses.update(self._items_of(entry))
-            assert uses == self._items_ahead, (uses, self._items_ahead)
+            ahead = self._items_ahead
+            assert uses == ahead.uses, (uses, ahead.uses)
+            assert ahead.bytes == sum(map(config.item_bytes, uses))
             batches = sum(isinstance(entry, _Batch) for entry in self._in_flight)
-            assert len(uses) <= config.max_items_ahead or batches == 1, uses
+            assert ahead.bytes <= config.max_bytes_ahead or batches == 1
         for offset, entry in enumerate(self._in_flight):
             if isinstance(entry, _Batch) and offset >= self._decode_window:
                 assert not entry.dispatched, 'load outside the decode window'
@@ -703,7 +746,8 @@ class Scheduler:
             self._cache_epoch = -1
         self._state = event.state
         self._next_indices = None
-        self._items_ahead.clear()
+        if self._items_ahead is not None:
+            self._items_ahead.clear()
         self._generation = event.generation
         self._exhausted = False
         self.taken = self.delivered = self.generated = 0
@@ -888,8 +932,8 @@ class Scheduler:
             batch = self._new_batch(indices, first_access)
             self._batches[batch.id] = batch
             self._push(batch)
-            if config.max_items_ahead is not None:
-                self._items_ahead.update(self._items_of(batch))
+            if self._items_ahead is not None:
+                self._items_ahead.add(self._items_of(batch))
             if self._future is not None:
                 batch.next_uses = [
                     self._future.following_use(self._item(int(index)),
@@ -899,12 +943,11 @@ class Scheduler:
                 self._plan(batch, position)
 
     def _room_ahead_for(self, indices) -> bool:
-        """Whether a batch of ``indices`` keeps the items in flight within ``max_items_ahead``."""
-        limit = self.config.max_items_ahead
-        if limit is None or self.generated == self.delivered:
+        """Whether a batch of ``indices`` keeps the items in flight within ``max_bytes_ahead``."""
+        if self._items_ahead is None or self.generated == self.delivered:
             return True
         items = set(self.config.item_of[numpy.asarray(indices)].tolist())
-        return len(self._items_ahead) + len(items - self._items_ahead.keys()) <= limit
+        return self._items_ahead.bytes_with(items) <= self.config.max_bytes_ahead
 
     def _items_of(self, batch) -> Set[int]:
         """The items ``batch`` uses (for a columnar batch, its units' items)."""
@@ -1138,9 +1181,8 @@ class Scheduler:
             if hand_over:
                 head.buffer = None  # the consumer's until BufferReleased
             self._discard(head)
-        if self.config.max_items_ahead is not None and isinstance(head, _Batch):
-            self._items_ahead.subtract(self._items_of(head))
-            self._items_ahead += collections.Counter()  # (drops the zeros)
+        if self._items_ahead is not None and isinstance(head, _Batch):
+            self._items_ahead.remove(self._items_of(head))
         self._in_flight.popleft()
         self.delivered += 1
         self._delivered_ever += 1

@@ -3,18 +3,21 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Optional
 
 import numpy
 from chainer.dataset import iterator
 from chainer.iterators import MultiprocessIterator
 
-from chainer_prefetch.errors import LocalStorageError, SourceFileError
+from chainer_prefetch.errors import LocalStorageError
 from chainer_prefetch.iterators import _executor, _scheduler, _settings
 from chainer_prefetch.iterators._settings import IteratorSettings
 from chainer_prefetch.policy import lookahead
 from chainer_prefetch.policy.next_epoch_cache import NextEpochCache
-from chainer_prefetch.staging.dataset_files import ItemSources, resolve_dataset_files
+from chainer_prefetch.staging.dataset_files import (
+    ItemLocalBytes,
+    ItemSources,
+    resolve_dataset_files,
+)
 from chainer_prefetch.staging.local_directory import LocalDirectory
 from chainer_prefetch.staging.local_memory import MEMORY, LocalMemory
 from chainer_prefetch.staging.local_store import STORE_COUNTERS, LocalStore
@@ -145,11 +148,13 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             source, instead of waiting, for an example whose copy has not
             started when its batch is next.  For items shared by many
             examples (Parquet row groups), stages 1-2 run no further ahead
-            than the items the limit holds (as many of the largest one as
-            fit), even where ``n_copy_ahead`` reaches further: the store
-            keeps an item from its copy until its batches have loaded it,
-            so an item copied beyond that would find no room and be read
-            from shared storage by every loader.  With ``local_dir=':memory:'``
+            than the items this iterator's limit holds (their estimated
+            sizes together), even where ``n_copy_ahead`` reaches further:
+            the store keeps an item from its copy until its batches have
+            loaded it, so an item copied beyond that would find no room and
+            be read from shared storage by every loader.  (Iterators
+            sharing one directory share its room; each counts its own
+            items.)  With ``local_dir=':memory:'``
             the limit is this iterator's alone (the row groups it keeps in
             this process; a copy of the iterator has a budget of its own).
         next_epoch_cache_examples (int): Enables the next-epoch cache: while
@@ -241,7 +246,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         self._first_batch_seconds = None
         self._batches_delivered = 0
         self._files = self._store = self._located_dataset = None
-        self._item_of = self._items_capacity_holds = None
+        self._item_of = self._item_bytes = None
         if settings.local_dir is None:
             return
         files = resolve_dataset_files(settings.dataset)
@@ -268,9 +273,9 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             warnings.warn('{}; reading the dataset from its source '
                           'instead.'.format(error))
             return
-        if self._store.limited and item_of is not None and len(item_of):
-            self._items_capacity_holds = _items_held(sources_of,
-                                                     settings.local_capacity)
+        if self._store.limited and item_of is not None:
+            # Stages 1-2 run only as far ahead as the room holds the items.
+            self._item_bytes = ItemLocalBytes(sources_of)
         self._files = files
         self._item_of = item_of
         self._located_dataset = files.located(directory.locate)
@@ -309,7 +314,9 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             # and one queued, so that none idles while its answer travels.
             columnar=settings.columnar, decode_window=2 * settings.n_processes,
             slow_start=not self._copied_in_order(),
-            max_items_ahead=self._items_capacity_holds)
+            max_bytes_ahead=(None if self._item_bytes is None
+                             else settings.local_capacity),
+            item_bytes=self._item_bytes)
         self._executor = _executor.Executor(
             settings, _scheduler.Scheduler(config, self._state, cache),
             self._store, self._files, self._located_dataset, self._stop_event)
@@ -553,28 +560,6 @@ _ACCESS_COUNTS = ('examples_staged', 'examples_not_staged',
                   'examples_from_cache', 'examples_fallback')
 _EPOCH_COUNTS = ('examples_from_local', 'examples_from_source',
                  'examples_from_cache', 'bytes_from_source', 'bytes_copied')
-
-
-def _items_held(sources_of: ItemSources, capacity: int) -> Optional[int]:
-    """How many of the largest items ``capacity`` bytes hold (at least 1).
-
-    Stage 1 runs no further ahead than that many items (``max_items_ahead``
-    of the scheduler), so that stage 2 does not stage items for later
-    batches that the store would have to leave on shared storage.
-
-    Args:
-        sources_of: The sources of each item (items shared by examples).
-        capacity: ``local_capacity``, in bytes.
-
-    Returns:
-        The count, or ``None`` when an origin cannot be read (its copy
-        will say which).
-    """
-    try:
-        largest = sources_of.largest_local_bytes()
-    except SourceFileError:
-        return None
-    return max(1, capacity // max(1, largest))
 
 
 def _first_sources(files, n_examples: int):

@@ -125,28 +125,40 @@ class ItemSources:
             self._first_example[item])
         return [as_source(named) for named in self._files.files(index)]
 
-    def largest_local_bytes(self) -> int:
-        """The largest estimate of an item's local form, for items shared by examples.
 
-        Each origin is stat'ed once (the row groups of a Parquet file share
-        theirs).
+class ItemLocalBytes:
+    """``item_local_bytes(item)``: an item's local forms as estimated before they are made.
 
-        Raises:
-            ValueError: each example is its own item (``item_of`` is ``None``).
-            SourceFileError: an origin cannot be read (the message names it).
-        """
-        if self._first_example is None:
-            raise ValueError('largest_local_bytes is for items shared by examples')
-        stats: Dict[str, os.stat_result] = {}
-        largest = 0
-        for item in numpy.flatnonzero(self._first_example >= 0):
-            size = 0
-            for source in self(int(item)):
-                if source.origin not in stats:
-                    stats[source.origin] = source.stat_origin()
-                size += source.estimated_local_bytes(stats[source.origin])
-            largest = max(largest, size)
-        return largest
+    The sum of its sources' ``estimated_local_bytes``, what the local store
+    reserves to make them; remembered per item, and each origin stat'ed
+    once (the row groups of a Parquet file share theirs).  Asked for the
+    items training reaches, not all at once.  A source whose size cannot be
+    known (its origin unreadable) counts 0: its copy fails and names it.
+
+    Args:
+        sources_of: The sources of each item.
+    """
+
+    def __init__(self, sources_of: ItemSources):
+        self._sources_of = sources_of
+        self._bytes: Dict[int, int] = {}
+        self._stats: Dict[str, os.stat_result] = {}
+
+    def __call__(self, item: int) -> int:
+        known = self._bytes.get(item)
+        if known is None:
+            known = self._bytes[item] = sum(
+                self._estimate(source) for source in self._sources_of(item))
+        return known
+
+    def _estimate(self, source: Source) -> int:
+        try:
+            origin_stat = self._stats.get(source.origin)
+            if origin_stat is None:
+                origin_stat = self._stats[source.origin] = source.stat_origin()
+            return source.estimated_local_bytes(origin_stat)
+        except (OSError, ValueError):  # (the copy reports it)
+            return 0
 
 
 def resolve_dataset_files(dataset) -> Optional[DatasetFiles]:
