@@ -410,7 +410,7 @@ def _row_group_error(row_group: int, path: str, error: Exception,
 
 
 def _footer_changed(path: str, metadata) -> bool:
-    """Whether ``path`` now has a footer other than ``metadata`` (``False`` if none can be read)."""
+    """Whether ``path`` now has another footer than ``metadata`` (``False``: none readable)."""
     try:
         return not pyarrow.parquet.read_metadata(path).equals(metadata)
     except MemoryError:
