@@ -370,19 +370,17 @@ def open_parquet_file(path: str, row_group: int, columns: Sequence[str],
     Raises:
         ParquetFileError: the file cannot be read or is corrupt.
     """
-    given = metadata
     try:
-        if metadata is None:
-            metadata = _read_metadata(path)
+        footer = _read_metadata(path) if metadata is None else metadata
         if mapped is None:
-            _, chunks = _selected_chunks(metadata, row_group, columns)
+            _, chunks = _selected_chunks(footer, row_group, columns)
             mapped, _ = _map_column_chunks(path, chunks)
-        return pyarrow.parquet.ParquetFile(mapped, metadata=metadata,
+        return pyarrow.parquet.ParquetFile(mapped, metadata=footer,
                                            pre_buffer=False)
     except MemoryError:  # (Arrow's too) not the file's fault
         raise
     except READ_ERRORS as error:
-        raise _row_group_error(row_group, path, error, given) from error
+        raise _row_group_error(row_group, path, error, metadata) from error
 
 
 def row_group_label(path: str, row_group: int) -> str:

@@ -518,6 +518,7 @@ class _Batch:
         self.error: Optional[BaseException] = None
         self.discarded = False
         self.head_copies_cancelled = False
+        self.items: Optional[Set[int]] = None  # counted against max_bytes_ahead
 
     @property
     def size(self) -> int:
@@ -652,7 +653,7 @@ class Scheduler:
         self._holding: Dict[int, _Batch] = {}  # batches with Hold entries to send
         self._exhausted = False
         self.taken = self.delivered = self.generated = 0
-        self._next_indices = None  # stage 1's next step, not taken yet
+        self._next_indices = None  # stage 1's next step, not taken yet, and its items
         self._items_ahead = (None if config.max_bytes_ahead is None
                              else _ItemsAhead(config.item_bytes))
         self._delivered_ever = 0  # batches delivered since the start (slow start)
@@ -912,11 +913,13 @@ class Scheduler:
                             + self._state.current_position)
             try:
                 if self._next_indices is None:
-                    self._next_indices = lookahead.lookahead_statemachine(
+                    state, indices = lookahead.lookahead_statemachine(
                         self._state, config.batch_size, config.repeat,
                         config.order_sampler, config.dataset_length)
-                state, indices = self._next_indices
-                if indices is not None and not self._room_ahead_for(indices):
+                    self._next_indices = (state, indices,
+                                          self._items_counted(indices))
+                state, indices, items = self._next_indices
+                if items is not None and not self._room_ahead_for(items):
                     return  # until a delivery frees items
                 self._next_indices = None
                 self._state = state
@@ -932,8 +935,9 @@ class Scheduler:
             batch = self._new_batch(indices, first_access)
             self._batches[batch.id] = batch
             self._push(batch)
-            if self._items_ahead is not None:
-                self._items_ahead.add(self._items_of(batch))
+            if items is not None:
+                batch.items = items
+                self._items_ahead.add(items)
             if self._future is not None:
                 batch.next_uses = [
                     self._future.following_use(self._item(int(index)),
@@ -942,15 +946,19 @@ class Scheduler:
             for position in range(batch.size):
                 self._plan(batch, position)
 
-    def _room_ahead_for(self, indices) -> bool:
-        """Whether a batch of ``indices`` keeps the items in flight within ``max_bytes_ahead``."""
-        if self._items_ahead is None or self.generated == self.delivered:
-            return True
-        items = set(self.config.item_of[numpy.asarray(indices)].tolist())
-        return self._items_ahead.bytes_with(items) <= self.config.max_bytes_ahead
+    def _items_counted(self, indices) -> Optional[Set[int]]:
+        """The items of a batch of ``indices``, where they count against ``max_bytes_ahead``."""
+        if self._items_ahead is None or indices is None:
+            return None
+        return set(self.config.item_of[numpy.asarray(indices)].tolist())
+
+    def _room_ahead_for(self, items: Set[int]) -> bool:
+        """Whether a batch using ``items`` keeps the items in flight within ``max_bytes_ahead``."""
+        return (self.generated == self.delivered
+                or self._items_ahead.bytes_with(items) <= self.config.max_bytes_ahead)
 
     def _items_of(self, batch) -> Set[int]:
-        """The items ``batch`` uses (for a columnar batch, its units' items)."""
+        """The items ``batch`` uses, counted from its indices (a columnar batch's: its units')."""
         return set(self.config.item_of[batch.indices].tolist())
 
     def _new_batch(self, indices, first_access) -> _Batch:
@@ -1181,8 +1189,8 @@ class Scheduler:
             if hand_over:
                 head.buffer = None  # the consumer's until BufferReleased
             self._discard(head)
-        if self._items_ahead is not None and isinstance(head, _Batch):
-            self._items_ahead.remove(self._items_of(head))
+        if isinstance(head, _Batch) and head.items is not None:
+            self._items_ahead.remove(head.items)
         self._in_flight.popleft()
         self.delivered += 1
         self._delivered_ever += 1
