@@ -136,6 +136,16 @@ PEERS = {'ours-local': 'petastorm', 'ours-shared': 'petastorm-shared',
          'petastorm-rows': 'petastorm', 'arrow-threads': 'petastorm',
          'blog': 'petastorm',
          'blog-shared': 'petastorm-shared'}
+#: Ours' ``n_prefetch`` (``--prefetch``): finished batches kept ready for the
+#: training loop.  With Chainer's default of 1, the training thread waits on
+#: the pipeline thread for every batch, and the pipeline waits for the
+#: batch to be taken before it hands over the next: with loader threads, 4
+#: saved about 40% of the run's thread switches (4,400-4,900 voluntary
+#: switches a run against 7,400-9,400 at 2 workers) and gave 1.05-1.09x the
+#: rows/s at 1, 2 and 4 workers (``docs/parquet.rst``, "Batches kept
+#: ready").  Petastorm's reader keeps its own queue of row groups ready.
+PREFETCH = 4
+
 #: ``--arrow-memory``: environment of a run for Arrow's memory allocators.
 #: "retain" keeps the memory freed by one row group's decoding for the next
 #: instead of handing it back to the kernel (mimalloc, the allocator of the
@@ -184,6 +194,7 @@ def _open_ours(config: Dict, columns: List[str]):
                 else config['local_dir']),
             local_capacity=(config.get('local_row_groups') or 2 * window + 2)
             * largest, n_copy_ahead=ahead,
+            n_prefetch=config.get('prefetch') or PREFETCH,
             columnar=config['method'] != 'ours-rows',
             loader_threads=config['method'].startswith(('ours-threads',
                                                         'ours-memory')))
@@ -434,7 +445,8 @@ def run_config(method: str, workers: int, source: str, batches: int,
                local_dir: str, sizes: List[int], window: int = 1,
                arrow_memory: str = 'default', num_cached_parquet: int = 1,
                copy_ahead: int = 0, local_row_groups: int = 0,
-               switch_interval: Optional[float] = None) -> Dict:
+               switch_interval: Optional[float] = None,
+               prefetch: int = PREFETCH) -> Dict:
     """The configuration of one timed run, as :func:`run_one` takes it.
 
     Args:
@@ -453,6 +465,7 @@ def run_config(method: str, workers: int, source: str, batches: int,
             the window and 2).
         switch_interval: ``sys.setswitchinterval`` of the run's process in
             seconds (``None``: the interpreter's default).
+        prefetch: Ours' ``n_prefetch``: finished batches kept ready.
     """
     return {'method': method, 'workers': workers, 'source': source,
             'arrow_memory': arrow_memory, 'switch_interval': switch_interval,
@@ -460,7 +473,7 @@ def run_config(method: str, workers: int, source: str, batches: int,
             'batches': batches, 'window': window,
             'num_cached_parquet': num_cached_parquet, 'local_dir': local_dir,
             'seed': 0, 'row_group_sizes': sizes, 'copy_ahead': copy_ahead,
-            'local_row_groups': local_row_groups}
+            'local_row_groups': local_row_groups, 'prefetch': prefetch}
 
 
 def run_one(config: Dict) -> Dict:
@@ -526,6 +539,8 @@ def _timed_run(config: Dict) -> Dict:
     return {'method': config['method'], 'workers': config['workers'],
             'window': (config['window'] if config['method'].startswith('ours')
                        else None),
+            'prefetch': (config.get('prefetch', PREFETCH)
+                         if config['method'].startswith('ours') else None),
             'arrow_memory': config.get('arrow_memory', 'default'),
             'switch_interval': (switch_interval if config.get('switch_interval')
                                 else None),
@@ -610,18 +625,28 @@ LABEL_WIDTH = 34
 
 
 def label(run: Dict) -> str:
-    """The method of a run, with ours' window, and the memory setting and
-    switch interval when not the defaults (``ours-local w4``, ``petastorm
-    retain``, ``ours-memory w1 switch0.1ms``)."""
+    """The method of a run, with ours' window, and ours' ``n_prefetch``, the
+    memory setting and switch interval when not the defaults (``ours-local
+    w4``, ``ours-memory w1 prefetch1``, ``petastorm retain``, ``ours-memory
+    w1 switch0.1ms``)."""
     name = run['method']
     if run.get('window') is not None:
         name += ' w{}'.format(run['window'])
+    prefetch = _prefetch(run)
+    if prefetch is not None and prefetch != PREFETCH:
+        name += ' prefetch{}'.format(prefetch)
     if run.get('arrow_memory', 'default') != 'default':
         name += ' ' + run['arrow_memory']
     interval = _switch_interval(run)
     if interval:
         name += ' switch{:g}ms'.format(interval * 1000)
     return name
+
+
+def _prefetch(run: Dict) -> Optional[int]:
+    """Ours' ``n_prefetch`` in a run; ``None`` for other methods, and in the
+    results of versions that did not record it (which ran with 1)."""
+    return run.get('prefetch')
 
 
 def _switch_interval(run: Dict) -> Optional[float]:
@@ -901,6 +926,10 @@ def parse_args(argv):
     parser.add_argument('--copy-ahead', type=int, default=0,
                         help="ours' n_copy_ahead in batches (0: the rows of "
                         'the largest row group)')
+    parser.add_argument('--prefetch', default=str(PREFETCH),
+                        help="ours' n_prefetch, finished batches kept ready "
+                        "(Chainer's default is 1): one number, or several "
+                        '(each ours method runs at each)')
     parser.add_argument('--workers', default='1,2,4')
     parser.add_argument('--methods', default=','.join(METHODS))
     parser.add_argument('--window', default='4',
@@ -937,6 +966,10 @@ def parse_args(argv):
         args = parser.parse_args(argv)
     args.workers = [int(w) for w in args.workers.split(',')]
     args.windows = [int(w) for w in str(args.window).split(',')]
+    args.prefetches = [int(n) for n in str(args.prefetch).split(',')]
+    if min(args.prefetches) < 1:
+        parser.error('--prefetch: at least 1 batch, got {}'.format(args.prefetch))
+    args.prefetch = args.prefetches[0]  # growth and coverage runs
     args.window = max(args.windows)  # growth and coverage runs
     args.methods = args.methods.split(',')
     args.growth = [int(factor) for factor in str(args.growth).split(',')
@@ -1007,22 +1040,26 @@ def main(argv=None) -> int:
 
     def config_for(method, workers, batches, source, window=args.window,
                    arrow_memory=args.arrow_memory[0],
-                   switch_interval=args.switch_intervals[0]):
+                   switch_interval=args.switch_intervals[0],
+                   prefetch=args.prefetch):
         return run_config(method, workers, source, batches, local_dir, sizes,
                           window=window, arrow_memory=arrow_memory,
                           num_cached_parquet=args.num_cached_parquet,
                           copy_ahead=args.copy_ahead,
                           local_row_groups=args.local_row_groups,
+                          prefetch=prefetch,
                           switch_interval=switch_interval)
 
     with storage.mounted(dataset_dir, mountpoint, preset=args.preset):
         for repeat in range(args.repeats):
             for workers in args.workers:
-                for method, window, memory, switch in run_order(_variants(args), repeat):
+                for method, window, prefetch, memory, switch in run_order(
+                        _variants(args), repeat):
                     source = (mountpoint if method.endswith('-shared')
                               else dataset_dir)
                     result = measure(config_for(method, workers, args.batches,
-                                                 source, window, memory, switch),
+                                                 source, window, memory, switch,
+                                                 prefetch),
                                       dataset_dir, local_dir, args.run_timeout,
                                       petastorm_python)
                     result['repeat'] = repeat
@@ -1069,6 +1106,7 @@ def main(argv=None) -> int:
                                                         bandwidth),
               'coverage_dataset_summary': coverage_summary,
               'window': args.window, 'batch_size': BATCH_SIZE,
+              'ours_n_prefetch': args.prefetches,
               'backends': backends, 'runs': runs,
               'medians': median_runs(runs), 'repeats': args.repeats,
               'growth_runs': growth_runs, 'coverage_runs': coverage_runs,
@@ -1080,15 +1118,17 @@ def main(argv=None) -> int:
 
 
 def _variants(args):
-    """``(method, window, arrow memory, switch interval)`` of every run of one
-    repeat: ours at each window, every method at each memory setting and
-    switch interval."""
-    return [(method, window, memory, switch)
+    """``(method, window, prefetch, arrow memory, switch interval)`` of every
+    run of one repeat: ours at each window and ``n_prefetch``, every method
+    at each memory setting and switch interval."""
+    return [(method, window, prefetch, memory, switch)
             for switch in args.switch_intervals
             for memory in args.arrow_memory
             for method in args.methods
             for window in (args.windows if method.startswith('ours')
-                           else [args.window])]
+                           else [args.window])
+            for prefetch in (args.prefetches if method.startswith('ours')
+                             else [args.prefetch])]
 
 
 def _generated(workdir: str, rows: int, files: int, row_group_mb: float,
