@@ -44,30 +44,30 @@ def test_every_ours_method_runs_at_every_window_and_the_others_once():
     args = bench.parse_args(['--window', '1,4', '--methods',
                              'ours-local,petastorm,ours-shared'])
     assert bench._variants(args) == [
-        ('ours-local', 1, 4, 'default', None), ('ours-local', 4, 4, 'default', None),
-        ('petastorm', 4, 4, 'default', None), ('ours-shared', 1, 4, 'default', None),
-        ('ours-shared', 4, 4, 'default', None)]
+        ('ours-local', 1, 1, 'default', None), ('ours-local', 4, 1, 'default', None),
+        ('petastorm', 4, 1, 'default', None), ('ours-shared', 1, 1, 'default', None),
+        ('ours-shared', 4, 1, 'default', None)]
 
 
 def test_ours_runs_at_every_prefetch_and_is_labelled_by_the_others():
-    args = bench.parse_args(['--window', '1', '--prefetch', '4,1', '--methods',
+    args = bench.parse_args(['--window', '1', '--prefetch', '1,4', '--methods',
                              'ours-memory,petastorm'])
     variants = bench._variants(args)
-    assert variants == [('ours-memory', 1, 4, 'default', None),
-                        ('ours-memory', 1, 1, 'default', None),
-                        ('petastorm', 1, 4, 'default', None)]
+    assert variants == [('ours-memory', 1, 1, 'default', None),
+                        ('ours-memory', 1, 4, 'default', None),
+                        ('petastorm', 1, 1, 'default', None)]
     configs = [bench.run_config(method, 2, '/data', 10, '/local', [5],
                                 window=window, prefetch=prefetch)
                for method, window, prefetch, _, _ in variants]
-    assert [config['prefetch'] for config in configs] == [4, 1, 4]
+    assert [config['prefetch'] for config in configs] == [1, 4, 1]
     runs = [dict(_run(method, window, 30.0), prefetch=prefetch)
             for method, window, prefetch, _, _ in variants]
     runs[-1].update(window=None, prefetch=None)  # as _timed_run records Petastorm's
     runs.append(dict(runs[1], rows_per_s=50.0))
     medians = {bench.label(run): run for run in bench.median_runs(runs)}
-    assert sorted(medians) == ['ours-memory w1', 'ours-memory w1 prefetch1',
+    assert sorted(medians) == ['ours-memory w1', 'ours-memory w1 prefetch4',
                                'petastorm']
-    assert medians['ours-memory w1 prefetch1']['rows_per_s'] == 40.0
+    assert medians['ours-memory w1 prefetch4']['rows_per_s'] == 40.0
     with pytest.raises(SystemExit):
         bench.parse_args(['--prefetch', '0'])
 
@@ -77,8 +77,8 @@ def test_every_method_runs_at_every_memory_setting_compared_within_it():
                              'ours-local,petastorm',
                              '--arrow-memory', 'default,retain'])
     assert bench._variants(args) == [
-        ('ours-local', 1, 4, 'default', None), ('petastorm', 1, 4, 'default', None),
-        ('ours-local', 1, 4, 'retain', None), ('petastorm', 1, 4, 'retain', None)]
+        ('ours-local', 1, 1, 'default', None), ('petastorm', 1, 1, 'default', None),
+        ('ours-local', 1, 1, 'retain', None), ('petastorm', 1, 1, 'retain', None)]
     runs = [dict(_run('ours-local', 1, 30.0), arrow_memory='default'),
             dict(_run('petastorm', None, 20.0), arrow_memory='default'),
             dict(_run('ours-local', 1, 60.0), arrow_memory='retain'),
@@ -100,9 +100,9 @@ def test_every_method_runs_at_every_switch_interval_compared_within_it():
     args = bench.parse_args(['--window', '1', '--methods', 'ours-memory,petastorm',
                              '--switch-interval', 'default,0.0001'])
     assert bench._variants(args) == [
-        ('ours-memory', 1, 4, 'default', None), ('petastorm', 1, 4, 'default', None),
-        ('ours-memory', 1, 4, 'default', 0.0001),
-        ('petastorm', 1, 4, 'default', 0.0001)]
+        ('ours-memory', 1, 1, 'default', None), ('petastorm', 1, 1, 'default', None),
+        ('ours-memory', 1, 1, 'default', 0.0001),
+        ('petastorm', 1, 1, 'default', 0.0001)]
     runs = [dict(_run('ours-memory', 1, 30.0), switch_interval=None),
             dict(_run('petastorm', None, 20.0), switch_interval=None),
             dict(_run('ours-memory', 1, 60.0), switch_interval=0.0001),

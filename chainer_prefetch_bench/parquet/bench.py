@@ -137,14 +137,11 @@ PEERS = {'ours-local': 'petastorm', 'ours-shared': 'petastorm-shared',
          'blog': 'petastorm',
          'blog-shared': 'petastorm-shared'}
 #: Ours' ``n_prefetch`` (``--prefetch``): finished batches kept ready for the
-#: training loop.  With Chainer's default of 1, the training thread waits on
-#: the pipeline thread for every batch, and the pipeline waits for the
-#: batch to be taken before it hands over the next: with loader threads, 4
-#: saved about 40% of the run's thread switches (4,400-4,900 voluntary
-#: switches a run against 7,400-9,400 at 2 workers) and gave 1.05-1.09x the
-#: rows/s at 1, 2 and 4 workers (``docs/parquet.rst``, "Batches kept
-#: ready").  Petastorm's reader keeps its own queue of row groups ready.
-PREFETCH = 4
+#: training loop; 1, Chainer's default.  4 saved about 40% of a run's thread
+#: switches with loader threads, but gave 0.89x / 0.97x / 1.01x the rows/s
+#: of ``ours-memory`` at 1 / 2 / 4 workers (``results/parquet/prefetch``,
+#: medians of 5; ``docs/parquet.rst``, "Batches kept ready").
+PREFETCH = 1
 
 #: ``--arrow-memory``: environment of a run for Arrow's memory allocators.
 #: "retain" keeps the memory freed by one row group's decoding for the next
