@@ -24,7 +24,7 @@ Columns are:
 """
 import collections.abc
 import itertools
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy
 from chainer.dataset import Converter, concat_examples, to_device
@@ -406,24 +406,20 @@ class ColumnarBatch(collections.abc.Sequence):
 
     ``batch[i]`` is row ``i`` as an example of ``form``: a dict of the
     columns (``'dict'``), a tuple in column order (``'tuple'``) or the one
-    column's value (``'single'``).  Values of columns named in
-    ``python_scalars`` come as Python numbers (``int``, ``float``,
-    ``bool``), as a row-by-row Parquet read gives them; other array columns
-    give NumPy scalars or arrays (``column[i]``).
+    column's value (``'single'``); an array column gives NumPy scalars of
+    its dtype or arrays (``column[i]``), as a row-by-row Parquet read does.
 
     Args:
         columns: Column name to column, in order; every column has the same
             number of rows.
         form: ``'dict'``, ``'tuple'`` or ``'single'``.
-        python_scalars: Names of the columns whose numbers are Python scalars.
 
     Raises:
         ValueError: columns of different lengths, an unknown form, or
             ``'single'`` with more than one column.
     """
 
-    def __init__(self, columns: Mapping[str, Column], form: str = 'dict',
-                 python_scalars: Iterable[str] = ()):
+    def __init__(self, columns: Mapping[str, Column], form: str = 'dict'):
         if form not in FORMS:
             raise ValueError('form must be one of {}, got {!r}'.format(
                 ', '.join(FORMS), form))
@@ -436,7 +432,6 @@ class ColumnarBatch(collections.abc.Sequence):
             raise ValueError('columns of different lengths: {}'.format(lengths))
         self._length = next(iter(lengths.values()), 0)
         self.form = form
-        self.python_scalars = frozenset(python_scalars) & set(self.columns)
 
     @property
     def names(self) -> Tuple[str, ...]:
@@ -459,8 +454,7 @@ class ColumnarBatch(collections.abc.Sequence):
         if not 0 <= row < self._length:
             raise IndexError('row {} out of range for {} rows'.format(
                 row, self._length))
-        values = [self._value(name, column, row)
-                  for name, column in self.columns.items()]
+        values = [column[row] for column in self.columns.values()]
         if self.form == 'dict':
             return dict(zip(self.columns, values))
         if self.form == 'tuple':
@@ -472,24 +466,17 @@ class ColumnarBatch(collections.abc.Sequence):
             '{}: {}'.format(name, _describe(column))
             for name, column in self.columns.items()))
 
-    def _value(self, name, column, row):
-        value = column[row]
-        if name in self.python_scalars and isinstance(value, numpy.generic):
-            return value.item()
-        return value
-
     def take(self, rows: Sequence[int]) -> 'ColumnarBatch':
         """The rows ``rows``, in that order, as a new batch."""
         rows = numpy.asarray(rows, dtype=numpy.int64)
         return ColumnarBatch({name: column.take(rows) if isinstance(
             column, VarColumn) else column[rows]
-            for name, column in self.columns.items()},
-            self.form, self.python_scalars)
+            for name, column in self.columns.items()}, self.form)
 
     def with_columns(self, columns: Mapping[str, Column],
                      form: Optional[str] = None) -> 'ColumnarBatch':
-        """A batch of other columns, keeping ``python_scalars`` of the names kept."""
-        return ColumnarBatch(columns, form or self.form, self.python_scalars)
+        """A batch of other columns, in this batch's form unless ``form`` is given."""
+        return ColumnarBatch(columns, form or self.form)
 
     def arrays(self, device=None):
         """The columns in the structure ``concat_examples`` returns.
@@ -563,7 +550,7 @@ class ColumnarBatch(collections.abc.Sequence):
             return first
         columns = {name: _concatenate([batch.columns[name] for batch in batches])
                    for name in first.names}
-        return cls(columns, first.form, first.python_scalars)
+        return cls(columns, first.form)
 
 
 def column_of_values(values: List[Any]) -> Column:
@@ -596,7 +583,7 @@ def _concatenate(parts: Sequence[Column]) -> Column:
     Parts of one column can differ in kind when they come from different
     sources (a row group with nulls gives ``object``, one without gives a
     ``VarColumn`` or numbers): the result then holds every row's value as
-    a row read gives it (``bytes``, ``str``, arrays, Python numbers).
+    a row read gives it (``bytes``, ``str``, arrays, NumPy scalars).
     """
     if all(isinstance(part, VarColumn) for part in parts):
         if len({part.kind for part in parts}) == 1:
@@ -604,9 +591,7 @@ def _concatenate(parts: Sequence[Column]) -> Column:
     elif not any(isinstance(part, VarColumn) for part in parts):
         if len({part.dtype == object for part in parts}) == 1:
             return numpy.concatenate(parts)
-    values = [value for part in parts for value in (
-        part.tolist() if isinstance(part, numpy.ndarray) and part.ndim == 1
-        and part.dtype != object else list(part))]
+    values = [value for part in parts for value in part]
     column = numpy.empty(len(values), dtype=object)
     column[:] = values
     return column

@@ -29,14 +29,14 @@ def _batch():
                                        'bytes'),
         'tokens': VarColumn.from_values([np.arange(n, dtype=np.int32)
                                          for n in (3, 0, 1, 2, 5)], 'list'),
-    }, 'dict', python_scalars=['id'])
+    }, 'dict')
 
 
 def test_rows_are_examples_of_the_columns():
     batch = _batch()
     assert len(batch) == 5
     row = batch[3]
-    assert row['id'] == 3 and type(row['id']) is int
+    assert row['id'] == 3 and type(row['id']) is np.int64
     np.testing.assert_array_equal(row['x'], [6, 7])
     assert row['title'] == 'déf' and row['image'] == b'\xff'
     np.testing.assert_array_equal(row['tokens'], [0, 1])

@@ -88,6 +88,40 @@ def test_a_batch_across_row_groups_with_nulls_in_some_only(tmp_path):
     assert batch[1]['text'] is None and batch[3]['count'] is None
 
 
+@pytest.mark.timeout(120)
+def test_numbers_keep_their_column_dtype_through_chainer_converters(tmp_path):
+    # Chainer's float32 links refuse float64: a float32 column must reach the
+    # model as float32 whichever path and converter carry it.
+    path = str(tmp_path / 'numbers.parquet')
+    pyarrow.parquet.write_table(pyarrow.table({
+        'x': pyarrow.array(np.arange(12) / 4, pyarrow.float32()),
+        'y': pyarrow.array(np.arange(12) / 8, pyarrow.float32()),
+        'label': pyarrow.array(np.arange(12) % 3, pyarrow.int32()),
+        'flag': pyarrow.array(np.arange(12) % 2 == 0),
+        'half': pyarrow.array(np.arange(12), pyarrow.float16()),
+    }), path, row_group_size=4)
+    dataset = ParquetDataset(path)
+    dtypes = {'x': np.float32, 'y': np.float32, 'label': np.int32,
+              'flag': np.bool_, 'half': np.float16}
+    assert type(dataset[5]['x']) is np.float32 and dataset[5]['x'] == 1.25
+    sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes, window=3)
+    link = chainer.links.Linear(2, 3)
+    for columnar in (False, True):
+        iterator = PrefetchMultiprocessIterator(
+            dataset, 6, n_processes=1, order_sampler=sampler, columnar=columnar)
+        try:
+            batch = iterator.next()
+        finally:
+            iterator.finalize()
+        for converter in (chainer.dataset.concat_examples, concat_columns):
+            arrays = converter(batch)
+            assert {name: array.dtype for name, array in arrays.items()} == {
+                name: np.dtype(dtype) for name, dtype in dtypes.items()}, (
+                columnar, converter)
+            features = np.stack([arrays['x'], arrays['y']], axis=1)
+            assert link(features).dtype == np.float32
+
+
 def _decode(example):
     pixels = np.asarray(Image.open(io.BytesIO(example['image'])),
                         dtype=np.float32)

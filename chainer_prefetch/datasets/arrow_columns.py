@@ -1,16 +1,16 @@
 """Arrow arrays as the columns of a :class:`~chainer_prefetch.columnar.ColumnarBatch`.
 
-Each column keeps the values a row-by-row read gives (``as_py()``; list
-columns as NumPy arrays), so that ``batch[i]`` of a columnar read equals the
-row read of the same row:
+Each column keeps the values a row-by-row read gives (``as_py()``, with
+numbers as NumPy scalars of the column's dtype (:func:`as_numpy_scalar`) and
+list columns as NumPy arrays), so that ``batch[i]`` of a columnar read
+equals the row read of the same row, value and type:
 
-* integers, floats and booleans without nulls: a NumPy array (its rows come
-  as Python numbers);
+* integers, floats and booleans without nulls: a NumPy array;
 * binary and string columns without nulls: a :class:`VarColumn` of kind
   ``'bytes'`` or ``'str'`` (Arrow's offsets and data, one copy);
 * lists of numbers without nulls: a :class:`VarColumn` of kind ``'list'``;
 * anything else (nulls, timestamps, decimals, nested types): an ``object``
-  array of the Python values.
+  array of the values a row read gives.
 
 :class:`StoredColumns` takes rows out of a stored table of one or more
 record batches (a staged row group) straight into such columns.
@@ -40,10 +40,26 @@ _LIST = (pyarrow.types.is_list, pyarrow.types.is_large_list)
 
 
 def is_number_type(data_type: pyarrow.DataType) -> bool:
-    """Whether values of ``data_type`` are Python numbers (or booleans)."""
+    """Whether ``data_type`` holds numbers: integers, floats or booleans."""
     return (pyarrow.types.is_integer(data_type)
             or pyarrow.types.is_floating(data_type)
             or pyarrow.types.is_boolean(data_type))
+
+
+def as_numpy_scalar(value, data_type: pyarrow.DataType):
+    """``value`` as a NumPy scalar of ``data_type``'s dtype if it is a number.
+
+    Rows come so, a number of a ``float32`` column as a ``numpy.float32``,
+    so that Chainer's ``concat_examples`` keeps the column's dtype; ``None``
+    (a null) and the values of other types are returned as they are.
+
+    Args:
+        value: A value as Arrow's ``as_py`` gives it.
+        data_type: Its column's Arrow type.
+    """
+    if value is None or not is_number_type(data_type):
+        return value
+    return numpy.dtype(data_type.to_pandas_dtype()).type(value)
 
 
 def column_of_array(array: pyarrow.Array) -> Column:
@@ -137,7 +153,7 @@ def _object_column(array: pyarrow.Array) -> numpy.ndarray:
     if any(test(array.type) for test in _LIST):
         values = _python_lists(array)
     else:
-        values = array.to_pylist()
+        values = [as_numpy_scalar(value, array.type) for value in array.to_pylist()]
     column = numpy.empty(len(values), dtype=object)
     column[:] = values
     return column

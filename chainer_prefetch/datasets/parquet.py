@@ -68,6 +68,7 @@ from chainer_prefetch.columnar import ColumnarBatch, VarColumn, split_by_group
 from chainer_prefetch.datasets.arrow_columns import (
     StoredColumns,
     arrow_indices,
+    as_numpy_scalar,
     column_of_array,
     is_number_type,
 )
@@ -804,9 +805,6 @@ class ParquetDataset(DatasetMixin):
         self.columns = _check_columns(self.schema, columns)
         self._file_columns = tuple(name for name in self.columns
                                    if name not in self.partitions.names)
-        # The columns whose values come as Python numbers in a ColumnarBatch.
-        self._number_columns = [name for name in self.columns
-                                if is_number_type(self.schema.field(name).type)]
         self.as_tuple = as_tuple
         self.transform = transform
         self.batch_transform = batch_transform
@@ -875,7 +873,8 @@ class ParquetDataset(DatasetMixin):
         group, row = self.row_group_of(int(index))
         entry = self._row_group_entry(group)
         file_index = self.row_group_locations[self.row_groups[group]][0]
-        values = [self.partitions.value(file_index, name)
+        values = [as_numpy_scalar(self.partitions.value(file_index, name),
+                                   self.schema.field(name).type)
                   if name in self.partitions.names else entry.value(name, row)
                   for name in self.columns]
         example = tuple(values) if self.as_tuple else dict(
@@ -920,7 +919,7 @@ class ParquetDataset(DatasetMixin):
         columns.update(self._partition_columns(groups))
         form = 'tuple' if self.as_tuple else 'dict'
         batch = ColumnarBatch({name: columns[name] for name in self.columns},
-                              form, self._number_columns)
+                              form)
         if self.transform is not None:
             batch = self._transform_rows(batch, indices, groups)
         if self.batch_transform is not None:
@@ -1231,10 +1230,18 @@ def _read_ipc(path: str) -> pyarrow.Table:
 
 
 def _converter(data_type: pyarrow.DataType) -> Callable[[pyarrow.Array, int], Any]:
-    """How to turn one value of a column into a Python/NumPy value."""
+    """How to turn one value of a column into a Python/NumPy value.
+
+    A number is a NumPy scalar of the column's dtype, so that Chainer's
+    ``concat_examples`` stacks a ``float32`` column into a ``float32`` array
+    (Python floats would make it ``float64``, which a ``float32`` link
+    refuses), as the columnar path's arrays are.
+    """
     if pyarrow.types.is_list(data_type) or pyarrow.types.is_large_list(
             data_type):
         return _list_as_array
+    if is_number_type(data_type):
+        return functools.partial(_number_as_numpy, data_type=data_type)
     return _as_python
 
 
@@ -1247,6 +1254,10 @@ def _list_as_array(column: pyarrow.Array, row: int):
 
 def _as_python(column: pyarrow.Array, row: int):
     return column[row].as_py()
+
+
+def _number_as_numpy(column: pyarrow.Array, row: int, data_type: pyarrow.DataType):
+    return as_numpy_scalar(column[row].as_py(), data_type)
 
 
 def _read_metadata(path: str):
