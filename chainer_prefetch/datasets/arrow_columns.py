@@ -59,7 +59,19 @@ def as_numpy_scalar(value, data_type: pyarrow.DataType):
     """
     if value is None or not is_number_type(data_type):
         return value
-    return numpy.dtype(data_type.to_pandas_dtype()).type(value)
+    return number_dtype(data_type).type(value)
+
+
+def number_dtype(data_type: pyarrow.DataType) -> numpy.dtype:
+    """The NumPy dtype of a number type's values.
+
+    Arrow's ``to_pandas_dtype`` gives it too, but imports pandas (about
+    0.25 s in every loader process).
+
+    Args:
+        data_type: An integer, floating point or boolean Arrow type.
+    """
+    return numpy.dtype(_NUMPY_NAMES.get(str(data_type), str(data_type)))
 
 
 def column_of_array(array: pyarrow.Array) -> Column:
@@ -103,18 +115,25 @@ def _kind_of(array: pyarrow.Array) -> Optional[str]:
 
 
 def _number_column(array: pyarrow.Array) -> numpy.ndarray:
-    """A numeric array without nulls as a NumPy view of its data buffer.
+    """A numeric array's values as NumPy values, a view of its data buffer.
 
-    ``to_numpy`` gives the same view but imports pandas first (about
-    0.25 s in every loader process); booleans (packed bits) still take it.
+    ``to_numpy`` gives the same but imports pandas first (about 0.25 s in
+    every loader process).  Booleans (packed bits) come unpacked, a copy.
+    The values of nulls are whatever the buffer holds.
     """
-    if pyarrow.types.is_boolean(array.type):
-        return array.to_numpy(zero_copy_only=False)
-    dtype = numpy.dtype(_NUMPY_NAMES.get(str(array.type), str(array.type)))
+    dtype = number_dtype(array.type)
     if len(array) == 0:
         return numpy.zeros(0, dtype)
+    if pyarrow.types.is_boolean(array.type):
+        return _bits(array.buffers()[1], array.offset, len(array))
     return numpy.frombuffer(array.buffers()[1], dtype, count=len(array),
                             offset=array.offset * dtype.itemsize)
+
+
+def _bits(buffer: pyarrow.Buffer, offset: int, count: int) -> numpy.ndarray:
+    """Bits ``offset`` to ``offset + count`` of an Arrow bitmap, as booleans."""
+    packed = numpy.frombuffer(buffer, numpy.uint8)
+    return numpy.unpackbits(packed, bitorder='little')[offset:offset + count].astype(bool)
 
 
 #: Arrow's names of the floating types that NumPy spells otherwise.
@@ -150,12 +169,24 @@ def _list_column(array: pyarrow.Array) -> VarColumn:
 
 
 def _object_column(array: pyarrow.Array) -> numpy.ndarray:
+    if is_number_type(array.type):
+        return _numbers_with_nulls(array)
     if any(test(array.type) for test in _LIST):
         values = _python_lists(array)
     else:
-        values = [as_numpy_scalar(value, array.type) for value in array.to_pylist()]
+        values = array.to_pylist()
     column = numpy.empty(len(values), dtype=object)
     column[:] = values
+    return column
+
+
+def _numbers_with_nulls(array: pyarrow.Array) -> numpy.ndarray:
+    """Numbers with nulls as an ``object`` column: NumPy scalars, and ``None``."""
+    column = numpy.empty(len(array), dtype=object)
+    if array.null_count == len(array):
+        return column  # (all None; the data buffer may be missing)
+    column[:] = list(_number_column(array))
+    column[~_bits(array.buffers()[0], array.offset, len(array))] = None
     return column
 
 

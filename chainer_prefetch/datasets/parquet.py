@@ -71,6 +71,7 @@ from chainer_prefetch.datasets.arrow_columns import (
     as_numpy_scalar,
     column_of_array,
     is_number_type,
+    number_dtype,
 )
 from chainer_prefetch.datasets.partitions import (
     Partitions,
@@ -1241,7 +1242,8 @@ def _converter(data_type: pyarrow.DataType) -> Callable[[pyarrow.Array, int], An
             data_type):
         return _list_as_array
     if is_number_type(data_type):
-        return functools.partial(_number_as_numpy, data_type=data_type)
+        return functools.partial(_number_as_numpy,
+                                 scalar=number_dtype(data_type).type)
     return _as_python
 
 
@@ -1256,8 +1258,9 @@ def _as_python(column: pyarrow.Array, row: int):
     return column[row].as_py()
 
 
-def _number_as_numpy(column: pyarrow.Array, row: int, data_type: pyarrow.DataType):
-    return as_numpy_scalar(column[row].as_py(), data_type)
+def _number_as_numpy(column: pyarrow.Array, row: int, scalar: type):
+    value = column[row].as_py()
+    return None if value is None else scalar(value)
 
 
 def _read_metadata(path: str):
