@@ -68,7 +68,6 @@ from chainer_prefetch.columnar import ColumnarBatch, VarColumn, split_by_group
 from chainer_prefetch.datasets.arrow_columns import (
     StoredColumns,
     arrow_indices,
-    as_numpy_scalar,
     column_of_array,
     is_number_type,
     number_dtype,
@@ -874,8 +873,7 @@ class ParquetDataset(DatasetMixin):
         group, row = self.row_group_of(int(index))
         entry = self._row_group_entry(group)
         file_index = self.row_group_locations[self.row_groups[group]][0]
-        values = [as_numpy_scalar(self.partitions.value(file_index, name),
-                                   self.schema.field(name).type)
+        values = [self.partitions.value(file_index, name)
                   if name in self.partitions.names else entry.value(name, row)
                   for name in self.columns]
         example = tuple(values) if self.as_tuple else dict(

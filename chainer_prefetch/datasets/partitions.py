@@ -20,6 +20,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 
 import pyarrow
 
+from chainer_prefetch.datasets.arrow_columns import as_numpy_scalar
 from chainer_prefetch.errors import ParquetSchemaError
 
 #: Hive's directory value for a null partition value.
@@ -34,8 +35,8 @@ class Partitions:
     Attributes:
         names: The partition keys, in directory order.
         types: The Arrow type of each.
-        values: For each file, its values (Python ``int``, ``float``,
-            ``str`` or ``None``), one per key.
+        values: For each file, its values as the path gives them (Python
+            ``int``, ``float``, ``str`` or ``None``), one per key.
     """
 
     def __init__(self, names: Sequence[str], types: Sequence[pyarrow.DataType],
@@ -50,8 +51,13 @@ class Partitions:
                 for name, data_type in zip(self.names, self.types)]
 
     def value(self, file_index: int, name: str):
-        """The value of partition column ``name`` for file ``file_index``."""
-        return self.values[file_index][self.names.index(name)]
+        """The value of partition column ``name`` for file ``file_index``, as a row gives it.
+
+        A number comes as a NumPy scalar of the column's type, as the files'
+        numbers do (:func:`~chainer_prefetch.datasets.arrow_columns.as_numpy_scalar`).
+        """
+        column = self.names.index(name)
+        return as_numpy_scalar(self.values[file_index][column], self.types[column])
 
 
 def base_directory(paths, files: Sequence[str]) -> Optional[str]:

@@ -707,7 +707,7 @@ class Scheduler:
             uses = collections.Counter()
             for entry in self._in_flight:
                 if isinstance(entry, _Batch):
-                    uses.update(self._items_of(entry))
+                    uses.update(self._items_of(entry.indices))
             ahead = self._items_ahead
             assert uses == ahead.uses, (uses, ahead.uses)
             assert ahead.bytes == sum(map(config.item_bytes, uses))
@@ -950,16 +950,16 @@ class Scheduler:
         """The items of a batch of ``indices``, where they count against ``max_bytes_ahead``."""
         if self._items_ahead is None or indices is None:
             return None
-        return set(self.config.item_of[numpy.asarray(indices)].tolist())
+        return self._items_of(indices)
 
     def _room_ahead_for(self, items: Set[int]) -> bool:
         """Whether a batch using ``items`` keeps the items in flight within ``max_bytes_ahead``."""
         return (self.generated == self.delivered
                 or self._items_ahead.bytes_with(items) <= self.config.max_bytes_ahead)
 
-    def _items_of(self, batch) -> Set[int]:
-        """The items ``batch`` uses, counted from its indices (a columnar batch's: its units')."""
-        return set(self.config.item_of[batch.indices].tolist())
+    def _items_of(self, indices) -> Set[int]:
+        """The items of the examples ``indices`` (a batch's, or a columnar batch's units')."""
+        return set(self.config.item_of[numpy.asarray(indices)].tolist())
 
     def _new_batch(self, indices, first_access) -> _Batch:
         if not self.config.columnar:

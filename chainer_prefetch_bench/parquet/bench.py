@@ -624,12 +624,13 @@ LABEL_WIDTH = 34
 def label(run: Dict) -> str:
     """The method of a run, with ours' window, and ours' ``n_prefetch``, the
     memory setting and switch interval when not the defaults (``ours-local
-    w4``, ``ours-memory w1 prefetch1``, ``petastorm retain``, ``ours-memory
+    w4``, ``ours-memory w1 prefetch4``, ``petastorm retain``, ``ours-memory
     w1 switch0.1ms``)."""
     name = run['method']
     if run.get('window') is not None:
         name += ' w{}'.format(run['window'])
-    prefetch = _prefetch(run)
+    # (None for other methods, and in results that did not record it: 1.)
+    prefetch = run.get('prefetch')
     if prefetch is not None and prefetch != PREFETCH:
         name += ' prefetch{}'.format(prefetch)
     if run.get('arrow_memory', 'default') != 'default':
@@ -638,12 +639,6 @@ def label(run: Dict) -> str:
     if interval:
         name += ' switch{:g}ms'.format(interval * 1000)
     return name
-
-
-def _prefetch(run: Dict) -> Optional[int]:
-    """Ours' ``n_prefetch`` in a run; ``None`` for other methods, and in the
-    results of versions that did not record it (which ran with 1)."""
-    return run.get('prefetch')
 
 
 def _switch_interval(run: Dict) -> Optional[float]:
