@@ -5,9 +5,12 @@ A small classifier on a generated dataset, trained with
 parameters, errors) go to ``--events`` as JSON lines.  ``--kill-at
 EVENT:GENERATION`` makes the process SIGKILL itself right after the
 communicator reports EVENT for GENERATION (e.g. ``decided:1``: the leader
-dies mid-rebuild).  ``--hold-until-size N`` slows training (0.5 s per
-iteration, for at most 60 s) until the job has had N members, so that a
-member started later joins before the job ends however slowly it starts.
+dies mid-rebuild), ``--kill-at EVENT:size=N`` right after it reports EVENT
+for a group of N members (the generation a size is reached at depends on
+whether the first members started within one settle window).
+``--hold-until-size N`` slows training (0.5 s per iteration, for at most
+60 s) until the job has had N members, so that a member started later
+joins before the job ends however slowly it starts.
 """
 import argparse
 import hashlib
@@ -77,7 +80,8 @@ def main():
 
     def on_event(name, **fields):
         events.write(name, **fields)
-        if args.kill_at == '{}:{}'.format(name, fields.get('generation')):
+        if args.kill_at in ('{}:{}'.format(name, fields.get('generation')),
+                            '{}:size={}'.format(name, fields.get('size'))):
             os.kill(os.getpid(), signal.SIGKILL)
 
     settings = elastic.ElasticSettings(

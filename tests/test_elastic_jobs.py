@@ -169,14 +169,15 @@ def test_minmax_standby_takes_over(etcd, job):
 
 
 def test_leader_killed_mid_rebuild(etcd, job):
-    j = job('--policy', 'minmax:1', '--epochs', '5', '--kill-at', 'decided:1',
+    # Killed at the decision for three members, whichever generation that is
+    # (the first member may train alone first: minmax:1).
+    j = job('--policy', 'minmax:1', '--epochs', '5', '--kill-at', 'decided:size=3',
             '--hold-until-size', '3')
     first, pids = _start_training(j, 2)
     j.start()  # the joiner whose arrival starts the rebuild
-    j.wait_for(lambda j: j.events('decided') and any(
-        e['generation'] == 1 for e in j.events('decided')), 60,
-        'the decision of generation 1')
-    leader = [e['rank'] for e in j.events('decided') if e['generation'] == 1][0]
+    j.wait_for(lambda j: any(e['size'] == 3 for e in j.events('decided')), 60,
+               'the decision for three members')
+    leader = [e['rank'] for e in j.events('decided') if e['size'] == 3][0]
     codes = j.wait(JOB_TIMEOUT)
     ends = {process.pid: code for process, code in zip(j.processes, codes)}
     assert ends.pop(leader) == -signal.SIGKILL
