@@ -60,6 +60,64 @@ def test_a_row_group_is_staged_as_an_ipc_file_equal_to_the_rows(shop, tmp_path):
     assert directory.local_path(other_columns) != local
 
 
+@pytest.fixture
+def decode_pool_chosen_again(monkeypatch):
+    """The decode pool chosen afresh from the environment, and after the test."""
+    choose = parquet_module.decode_memory_pool
+    monkeypatch.delenv('ARROW_DEFAULT_MEMORY_POOL', raising=False)
+    choose.cache_clear()
+    yield monkeypatch
+    choose.cache_clear()
+
+
+def _decoded_bytes_by_pool(derived, pool):
+    """Decodes ``derived`` into memory; returns it, its size and the bytes
+    ``pool`` and the default pool gained meanwhile."""
+    default = pyarrow.default_memory_pool()
+    before = pool.bytes_allocated(), default.bytes_allocated()
+    decoded, size = derived.memory_form(derived.load_from_origin())
+    return (decoded, size, pool.bytes_allocated() - before[0],
+            default.bytes_allocated() - before[1])
+
+
+def test_row_groups_kept_in_memory_are_decoded_into_mallocs_pool_not_mimallocs(
+        shop, decode_pool_chosen_again):
+    pool = parquet_module.decode_memory_pool()
+    assert pool.backend_name == 'system'
+    derived = RowGroupFile(_part(shop), 2, ('id', 'title', 'tokens'))
+    decoded, size, in_pool, in_default = _decoded_bytes_by_pool(derived, pool)
+    assert in_pool >= size > 0
+    assert in_default == 0
+    expected = pyarrow.parquet.ParquetFile(_part(shop)).read_row_group(
+        2, columns=['id', 'title', 'tokens'])
+    assert decoded.table.equals(expected)
+    rows = parquet_module.read_row_group(_part(shop), 3, ['id'])  # the row path too
+    assert pool.bytes_allocated() >= size + rows.get_total_buffer_size()
+
+
+def test_row_groups_written_to_local_files_are_decoded_in_the_default_pool(
+        shop, tmp_path, decode_pool_chosen_again):
+    counted = pyarrow.proxy_memory_pool(pyarrow.system_memory_pool())
+    decode_pool_chosen_again.setattr(parquet_module, 'decode_memory_pool',
+                                     lambda: counted)
+    directory = LocalDirectory(str(tmp_path / 'local'))
+    assert directory.stage(RowGroupFile(_part(shop), 2, ('id', 'title'))) > 0
+    assert counted.num_allocations() == 0
+    RowGroupFile(_part(shop), 3, ('id',)).memory_form(
+        RowGroupFile(_part(shop), 3, ('id',)).load_from_origin())
+    assert counted.num_allocations() > 0
+
+
+def test_a_default_pool_the_user_chose_decodes_the_row_groups(
+        shop, decode_pool_chosen_again):
+    decode_pool_chosen_again.setenv('ARROW_DEFAULT_MEMORY_POOL', 'system')
+    assert parquet_module.decode_memory_pool() is None
+    derived = RowGroupFile(_part(shop), 2, ('id', 'title'))
+    default = pyarrow.default_memory_pool()
+    decoded, size, in_default, _ = _decoded_bytes_by_pool(derived, default)
+    assert in_default >= size > 0
+
+
 def test_a_row_group_file_pickles_as_itself(shop):
     derived = RowGroupFile(_part(shop), 1, ('id', 'title'))
     copy = pickle.loads(pickle.dumps(derived))

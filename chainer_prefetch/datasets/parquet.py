@@ -237,6 +237,7 @@ class RowGroupFile(DerivedFile):
             SourceFileError: a piece of the row group cannot be decoded.
         """
         with content:
+            content.decode_into(decode_memory_pool())
             schema, pieces = self._pieces(content)
             table = pyarrow.Table.from_batches(list(pieces), schema)
         decoded = DecodedRowGroup(table)
@@ -343,6 +344,7 @@ def read_row_group(path: str, row_group: int, columns: Sequence[str],
     parquet_file = open_parquet_file(path, row_group, columns, metadata, mapped)
     try:
         with parquet_file:
+            parquet_file.decode_into(decode_memory_pool())  # a table kept
             return parquet_file.read_row_group(row_group, columns=list(columns))
     except MemoryError:  # (Arrow's too) not the file's fault
         raise
@@ -351,7 +353,7 @@ def read_row_group(path: str, row_group: int, columns: Sequence[str],
 
 
 def open_parquet_file(path: str, row_group: int, columns: Sequence[str],
-                      metadata=None, mapped=None) -> pyarrow.parquet.ParquetFile:
+                      metadata=None, mapped=None) -> 'PooledParquetFile':
     """Opens a Parquet file to decode one row group's ``columns`` from memory.
 
     The selected column chunks are first read into the page cache in
@@ -376,12 +378,72 @@ def open_parquet_file(path: str, row_group: int, columns: Sequence[str],
         if mapped is None:
             _, chunks = _selected_chunks(footer, row_group, columns)
             mapped, _ = _map_column_chunks(path, chunks)
-        return pyarrow.parquet.ParquetFile(mapped, metadata=footer,
-                                           pre_buffer=False)
+        return PooledParquetFile(mapped, footer)
     except MemoryError:  # (Arrow's too) not the file's fault
         raise
     except READ_ERRORS as error:
         raise _row_group_error(row_group, path, error, metadata) from error
+
+
+class PooledParquetFile(pyarrow.parquet.ParquetFile):
+    """A Parquet file that can decode into a chosen memory pool (:meth:`decode_into`).
+
+    ``ParquetFile`` takes no memory pool; this one keeps its source, so
+    that its reader can be replaced by one of the same class
+    (``pyarrow.parquet.ParquetReader``) made with a pool.
+
+    Args:
+        source: The file: a path or a buffer (a memory map).
+        metadata: Its footer (``FileMetaData``).
+    """
+
+    def __init__(self, source, metadata):
+        super().__init__(source, metadata=metadata, pre_buffer=False)
+        self._source = source
+
+    def decode_into(self, pool: Optional[pyarrow.MemoryPool]) -> None:
+        """Decodes what is read from now on into ``pool``.
+
+        Args:
+            pool: An Arrow memory pool, or ``None``: the pool it had.
+        """
+        if pool is not None:
+            reader = pyarrow.parquet.ParquetReader(memory_pool=pool)
+            reader.open(self._source, metadata=self.metadata, pre_buffer=False)
+            self.reader = reader
+
+
+@functools.lru_cache(maxsize=1)
+def decode_memory_pool() -> Optional[pyarrow.MemoryPool]:
+    """The Arrow memory pool that row groups kept decoded in memory are decoded into.
+
+    Those are the row groups of ``local_dir=':memory:'``
+    (:meth:`RowGroupFile.memory_form`) and those a dataset reads itself
+    (:func:`read_row_group`).  Arrow's default pool on Linux, mimalloc,
+    takes its memory in transparent huge pages and hands freed memory back
+    to the kernel soon after: each row group decoded then faults in fresh
+    2 MB pages for the kernel to zero.  On the benchmark's machine (a
+    virtual machine) that took 1.5-1.7 s of kernel time in runs of 1,000
+    batches at 48-53 thousand rows/s, against 0.4-0.7 s and 111-133
+    thousand rows/s with the row groups decoded into the C library's pool
+    or jemalloc's (``docs/parquet.rst``, "The memory row groups are
+    decoded into").  So they are decoded into the C library's
+    (``malloc``).  Not jemalloc's: it starts background threads, and a
+    process decoding into it under an address-space limit (``ulimit -v``,
+    as some batch systems set) printed that it could not create them and,
+    in two of six runs of a test, aborted (``std::bad_alloc``).  Where
+    ``ARROW_DEFAULT_MEMORY_POOL`` is set, the user chose: ``None``,
+    Arrow's default pool.
+
+    A row group written to a local file piece by piece
+    (:meth:`RowGroupFile.write_local_form`) stays in Arrow's default pool:
+    each piece is freed before the next is decoded, and decoding them
+    into jemalloc's pool gave loader threads 0.87x and 0.98x the rows/s at
+    2 workers, 0.75x and 0.83x at 4 (two interleaved comparisons).
+    """
+    if os.environ.get('ARROW_DEFAULT_MEMORY_POOL'):
+        return None
+    return pyarrow.system_memory_pool()
 
 
 def row_group_label(path: str, row_group: int) -> str:

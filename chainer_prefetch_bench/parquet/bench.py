@@ -48,9 +48,10 @@ batch 100, for each number of loader workers:
 method runs at each, labelled ``ours-local w1``, ``ours-local w4``.  Window 1
 shuffles as Petastorm does (row groups in random order, rows within each):
 every batch comes from one row group, the ``RG/batch`` column shows it.
-``--arrow-memory default,retain`` likewise runs every method with Arrow's
-allocators at their defaults and keeping freed memory for the next row
-group (``ARROW_MEMORY``), labelled ``petastorm``, ``petastorm retain``; each
+``--arrow-memory default,retain,mimalloc`` likewise runs every method with
+Arrow's allocators at their defaults, keeping freed memory for the next row
+group, and with mimalloc as every method's allocator (``ARROW_MEMORY``),
+labelled ``petastorm``, ``petastorm retain``, ``petastorm mimalloc``; each
 is compared with Petastorm at the same setting.  ``--switch-interval
 default,0.0001`` likewise runs every method with the interpreter's switch
 interval at its default (5 ms) and at 0.1 ms (``sys.setswitchinterval`` in
@@ -145,12 +146,17 @@ PREFETCH = 1
 
 #: ``--arrow-memory``: environment of a run for Arrow's memory allocators.
 #: "retain" keeps the memory freed by one row group's decoding for the next
-#: instead of handing it back to the kernel (mimalloc, the allocator of the
-#: product's PyArrow; jemalloc, that of Petastorm's PyArrow 14).
+#: instead of handing it back to the kernel (mimalloc, the default
+#: allocator of the product's PyArrow; jemalloc, that of Petastorm's PyArrow
+#: 14; the product decodes the row groups it keeps in memory with
+#: jemalloc, ``parquet.decode_memory_pool``).  "mimalloc" makes mimalloc
+#: every method's allocator, the product's decoding included (as before it
+#: chose that pool).
 ARROW_MEMORY = {
     'default': {},
     'retain': {'MIMALLOC_PURGE_DELAY': '-1',
                'JE_ARROW_MALLOC_CONF': 'dirty_decay_ms:-1,muzzy_decay_ms:-1'},
+    'mimalloc': {'ARROW_DEFAULT_MEMORY_POOL': 'mimalloc'},
 }
 
 
@@ -253,7 +259,11 @@ def _arrow_threads_batches(config: Dict, columns: List[str]):
 
     from chainer_prefetch.columnar import ColumnarBatch
     from chainer_prefetch.datasets.arrow_columns import StoredColumns
-    from chainer_prefetch.datasets.parquet import RowGroupFile
+    from chainer_prefetch.datasets.parquet import (
+        PooledParquetFile,
+        RowGroupFile,
+        decode_memory_pool,
+    )
     files = sorted(glob.glob(os.path.join(config['source'], '*.parquet')))
     footers = {path: pyarrow.parquet.read_metadata(path) for path in files}
     groups = [(path, group) for path in files
@@ -263,8 +273,9 @@ def _arrow_threads_batches(config: Dict, columns: List[str]):
     def decode(path_and_group):
         path, group = path_and_group
         rows = RowGroupFile(path, group, columns, footers[path]).piece_rows()
-        with pyarrow.parquet.ParquetFile(path, metadata=footers[path],
-                                         memory_map=True) as parquet_file:
+        with pyarrow.memory_map(path) as mapped, PooledParquetFile(
+                mapped, footers[path]) as parquet_file:
+            parquet_file.decode_into(decode_memory_pool())  # as ours kept in memory
             pieces = list(parquet_file.iter_batches(
                 batch_size=rows, row_groups=[group], columns=columns))
         return StoredColumns(pyarrow.Table.from_batches(pieces), columns)
@@ -935,9 +946,10 @@ def parse_args(argv):
                         'runs at each')
     parser.add_argument('--arrow-memory', default='default',
                         help='memory setting of every run, or several (each '
-                        'method runs at each): default, or retain (Arrow '
-                        'keeps freed memory for the next row group; see '
-                        'ARROW_MEMORY)')
+                        'method runs at each): default, retain (Arrow '
+                        'keeps freed memory for the next row group) or '
+                        'mimalloc (every allocation in mimalloc); see '
+                        'ARROW_MEMORY')
     parser.add_argument('--num-cached-parquet', type=int, default=2,
                         help="files in each worker's cache (blog)")
     parser.add_argument('--coverage-epochs', type=int, default=5,
