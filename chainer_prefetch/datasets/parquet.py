@@ -172,7 +172,7 @@ class RowGroupFile(DerivedFile):
         mapped, origin_stat = _map_column_chunks(self.origin, chunks, opened)
         return ReadAhead(self.name, origin_stat, mapped)
 
-    def load_from_origin(self, ahead=None) -> pyarrow.parquet.ParquetFile:
+    def load_from_origin(self, ahead=None) -> 'PooledParquetFile':
         """Opens the Parquet file to decode the row group from.
 
         :meth:`write_local_form` decodes it.
@@ -215,7 +215,7 @@ class RowGroupFile(DerivedFile):
                 for piece in pieces:
                     writer.write_batch(piece)
 
-    def memory_form(self, content: pyarrow.parquet.ParquetFile
+    def memory_form(self, content: 'PooledParquetFile'
                     ) -> Tuple['DecodedRowGroup', int]:
         """Decodes the row group into a table of pieces, kept in memory.
 
@@ -237,7 +237,12 @@ class RowGroupFile(DerivedFile):
             SourceFileError: a piece of the row group cannot be decoded.
         """
         with content:
-            content.decode_into(decode_memory_pool())
+            try:
+                content.decode_into(decode_memory_pool())
+            except MemoryError:
+                raise
+            except READ_ERRORS as error:  # (a path opened again)
+                raise self.origin_error(error) from error
             schema, pieces = self._pieces(content)
             table = pyarrow.Table.from_batches(list(pieces), schema)
         decoded = DecodedRowGroup(table)
@@ -402,15 +407,23 @@ class PooledParquetFile(pyarrow.parquet.ParquetFile):
         self._source = source
 
     def decode_into(self, pool: Optional[pyarrow.MemoryPool]) -> None:
-        """Decodes what is read from now on into ``pool``.
+        """Decodes the arrays read from now on into ``pool``.
+
+        (The scratch buffers of decompressing pages stay in Arrow's
+        default pool: they are freed as each page is decoded.)
 
         Args:
             pool: An Arrow memory pool, or ``None``: the pool it had.
         """
-        if pool is not None:
-            reader = pyarrow.parquet.ParquetReader(memory_pool=pool)
-            reader.open(self._source, metadata=self.metadata, pre_buffer=False)
-            self.reader = reader
+        if pool is None:
+            return
+        reader = pyarrow.parquet.ParquetReader(memory_pool=pool)
+        # As ParquetFile opens its own (its defaults): the same types.
+        reader.open(self._source, metadata=self.metadata, pre_buffer=False,
+                    arrow_extensions_enabled=True)
+        replaced, self.reader = self.reader, reader
+        if self._close_source:  # (else the source is the caller's, shared)
+            replaced.close()
 
 
 @functools.lru_cache(maxsize=1)
@@ -433,7 +446,8 @@ def decode_memory_pool() -> Optional[pyarrow.MemoryPool]:
     as some batch systems set) printed that it could not create them and,
     in two of six runs of a test, aborted (``std::bad_alloc``).  Where
     ``ARROW_DEFAULT_MEMORY_POOL`` is set, the user chose: ``None``,
-    Arrow's default pool.
+    Arrow's default pool (a pool set in code, ``pyarrow.set_memory_pool``,
+    is not seen).
 
     A row group written to a local file piece by piece
     (:meth:`RowGroupFile.write_local_form`) stays in Arrow's default pool:

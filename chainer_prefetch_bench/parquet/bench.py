@@ -148,8 +148,8 @@ PREFETCH = 1
 #: "retain" keeps the memory freed by one row group's decoding for the next
 #: instead of handing it back to the kernel (mimalloc, the default
 #: allocator of the product's PyArrow; jemalloc, that of Petastorm's PyArrow
-#: 14; the product decodes the row groups it keeps in memory with
-#: jemalloc, ``parquet.decode_memory_pool``).  "mimalloc" makes mimalloc
+#: 14; the product decodes the row groups it keeps in memory into the C
+#: library's pool, ``parquet.decode_memory_pool``).  "mimalloc" makes mimalloc
 #: every method's allocator, the product's decoding included (as before it
 #: chose that pool).
 ARROW_MEMORY = {
