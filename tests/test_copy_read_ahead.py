@@ -22,7 +22,7 @@ class LoggedFile(DerivedFile):
         super().__init__(name, origin)
         self.log = log
 
-    def read_ahead(self, opened=None):
+    def read_ahead(self, opened=None, readers=None):
         started = time.monotonic()
         origin_stat = os.fstat(opened)
         assert os.path.samestat(origin_stat, os.stat(self.origin))
@@ -225,7 +225,7 @@ def test_a_source_already_local_is_not_read_ahead(tmp_path):
 
 
 class FailingRead(LoggedFile):
-    def read_ahead(self, opened=None):
+    def read_ahead(self, opened=None, readers=None):
         raise RuntimeError('read ahead failed')
 
 
@@ -278,3 +278,122 @@ def test_a_copy_already_local_does_not_hold_back_the_next_read(tmp_path):
     reads = {entry[1]: entry for entry in log if entry[0] == 'read'}
     assert '/virtual/f0' not in reads
     assert reads['/virtual/f2'][2] < made['/virtual/f0'][3]
+
+
+PIECE_SECONDS = 0.02  # what each piece of a read queued on the piece readers takes
+
+
+class PiecewiseFile(LoggedFile):
+    """A derived file read ahead in pieces queued on stage 2's piece readers."""
+
+    pieces = 3
+    gate = None  # an Event its pieces wait for, or None
+
+    def read_ahead(self, opened=None, readers=None):
+        assert readers is not None
+        origin_stat = os.fstat(opened)
+        return ReadAhead(self.name, origin_stat, b'read ahead', readers.submit(
+            self._read_piece, range(self.pieces), 2,
+            lambda: self.log.append(('released', self.name, time.monotonic()))))
+
+    def _read_piece(self, piece):
+        started = time.monotonic()
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        time.sleep(PIECE_SECONDS)
+        if 'bad' in self.name:
+            raise OSError('cannot read {} piece {}'.format(self.name, piece))
+        self.log.append(('piece', self.name, started, time.monotonic(), piece))
+
+
+def _piece_reader_threads():
+    return [thread for thread in threading.enumerate()
+            if thread.name.startswith('chainer_prefetch-read-')]
+
+
+def test_reads_queued_in_pieces_overlap_and_each_copy_waits_for_its_own(tmp_path):
+    log = []
+    sources = _logged_files(tmp_path, 4, log, PiecewiseFile)
+    stage = _copy_all(tmp_path, sources)
+    assert stage.done == [0, 1, 2, 3]
+    assert _piece_reader_threads() == []  # stopped with the copy threads
+    pieces = [entry for entry in log if entry[0] == 'piece']
+    makes = {entry[1]: entry for entry in log if entry[0] == 'make'}
+    for source in sources:
+        own = [entry for entry in pieces if entry[1] == source.name]
+        assert len(own) == PiecewiseFile.pieces
+        # made from what was read ahead, once all its pieces were read
+        assert makes[source.name][4] == b'read ahead'
+        assert max(entry[3] for entry in own) <= makes[source.name][2]
+    # Pieces are read in the order submitted, two at a time ...
+    order = sorted(pieces, key=lambda entry: entry[2])
+    assert [entry[1] for entry in order] == [
+        source.name for source in sources for _ in range(PiecewiseFile.pieces)]
+    for entry in order:
+        assert sum(other[2] <= entry[2] < other[3] for other in order) <= 2
+    # ... and the copy read ahead behind the first (READS_AHEAD: both queued
+    # at once) starts on the thread freed while the first's last piece is
+    # still read (three pieces on two threads).
+    last = max(entry[3] for entry in pieces if entry[1] == sources[0].name)
+    first = min(entry[2] for entry in pieces if entry[1] == sources[1].name)
+    assert first < last
+    released = [entry[1] for entry in log if entry[0] == 'released']
+    assert sorted(released) == sorted(source.name for source in sources)
+
+
+def test_a_read_whose_pieces_fail_leaves_the_copy_to_read_again(tmp_path):
+    log = []
+    origins = _origins(tmp_path, 3)
+    sources = [PiecewiseFile('/virtual/{}'.format(name), origin, log)
+               for name, origin in zip(('f0', 'bad1', 'f2'), origins)]
+    stage = _copy_all(tmp_path, sources)
+    assert stage.done == [0, 1, 2]
+    made = {entry[1]: entry[4] for entry in log if entry[0] == 'make'}
+    assert made == {'/virtual/f0': b'read ahead', '/virtual/bad1': None,
+                    '/virtual/f2': b'read ahead'}
+    assert _piece_reader_threads() == []
+
+
+def test_a_copy_cancelled_while_its_pieces_wait_has_them_dropped(tmp_path):
+    log = []
+    origins = _origins(tmp_path, 2)
+    first = PiecewiseFile('/virtual/f0', origins[0], log)
+    second = PiecewiseFile('/virtual/f1', origins[1], log)
+    second.pieces = 4
+    second.gate = threading.Event()
+    stage = Stage2(str(tmp_path))
+    try:
+        _submit(stage, [first, second])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(  # f1's first pieces wait
+                entry[0] == 'make' and entry[1] == '/virtual/f0' for entry in log):
+            time.sleep(0.01)
+        assert stage.threads.cancel([1]) == (1,)
+        time.sleep(MAKE_SECONDS)  # the copy thread drops f1's queued pieces
+        second.gate.set()
+        stage.wait(1)
+    finally:
+        stage.stop()
+    assert stage.done == [0]
+    read = [entry[4] for entry in log if entry[0] == 'piece'
+            and entry[1] == '/virtual/f1']
+    assert sorted(read) == [0, 1]  # the two being read when it was cancelled
+    assert ('released', '/virtual/f1') in [entry[:2] for entry in log]
+    assert _piece_reader_threads() == []
+
+
+@pytest.mark.timeout(30)
+def test_stop_with_pieces_still_queued_ends_every_reader_thread(tmp_path):
+    log = []
+    sources = _logged_files(tmp_path, 4, log, PiecewiseFile)
+    gate = threading.Event()
+    for source in sources:
+        source.gate = gate
+    stage = Stage2(str(tmp_path))
+    _submit(stage, sources)
+    time.sleep(0.1)  # two pieces of f0 are being read, the rest queued
+    threading.Timer(0.2, gate.set).start()
+    stage.stop()  # asserts the copy threads ended
+    assert _piece_reader_threads() == []
+    assert stage.done == []
+    assert len([entry for entry in log if entry[0] == 'piece']) == 2

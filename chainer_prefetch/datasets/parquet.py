@@ -84,6 +84,7 @@ from chainer_prefetch.errors import (
     example_load_error,
 )
 from chainer_prefetch.staging.file_systems import on_node_local_storage, read_mounts
+from chainer_prefetch.staging.piece_reads import PendingReads, PieceReaders
 from chainer_prefetch.staging.sources import DerivedFile, ReadAhead
 
 Paths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
@@ -156,7 +157,8 @@ class RowGroupFile(DerivedFile):
         group, _ = self._column_chunks()
         return self.source_bytes(origin_stat) // max(1, group.num_rows)
 
-    def read_ahead(self, opened: Optional[int] = None) -> ReadAhead:
+    def read_ahead(self, opened: Optional[int] = None,
+                   readers: Optional[PieceReaders] = None) -> ReadAhead:
         """Reads the row group's column chunks into the page cache, and maps the file.
 
         The copy then only decodes (:meth:`load_from_origin`), so stage 2
@@ -167,10 +169,14 @@ class RowGroupFile(DerivedFile):
             opened: A descriptor of the Parquet file to read through instead
                 of opening it (see :meth:`Source.read_ahead
                 <chainer_prefetch.staging.sources.Source.read_ahead>`).
+            readers: Threads to read the chunks' pieces on, behind the row
+                groups read ahead before; the read then returns at once,
+                still pending (see :func:`start_reading_column_chunks`).
         """
         _, chunks = self._column_chunks()
-        mapped, origin_stat = _map_column_chunks(self.origin, chunks, opened)
-        return ReadAhead(self.name, origin_stat, mapped)
+        mapped, origin_stat, pending = start_reading_column_chunks(
+            self.origin, chunks, opened, readers)
+        return ReadAhead(self.name, origin_stat, mapped, pending)
 
     def load_from_origin(self, ahead=None) -> 'PooledParquetFile':
         """Opens the Parquet file to decode the row group from.
@@ -362,7 +368,7 @@ def open_parquet_file(path: str, row_group: int, columns: Sequence[str],
     """Opens a Parquet file to decode one row group's ``columns`` from memory.
 
     The selected column chunks are first read into the page cache in
-    parallel pieces (see :func:`_read_into_page_cache`) unless ``mapped``
+    parallel pieces (see :func:`_piece_reader`) unless ``mapped``
     has them; Arrow then decodes them from a memory map of the file, without
     copying them into a buffer of its own.
 
@@ -561,25 +567,51 @@ def _map_column_chunks(path: str, chunks, opened: Optional[int] = None
                        ) -> Tuple[Any, os.stat_result]:
     """``path`` with ``chunks`` read into the page cache, as Arrow should read it.
 
-    Returns ``(mapped, stat)``: ``stat`` is the opened file's, and
-    ``mapped`` a private, read-only memory map of the file: decoding from it
-    reads the page cache in place, with no copy into a buffer of the
-    process (measured on a 117 MB row group: 0.08 s of CPU to read and
+    :func:`start_reading_column_chunks`, waiting for the read.
+
+    Returns:
+        ``(mapped, stat)``, as that function returns them.
+
+    Raises:
+        OSError: the file cannot be read, or ends inside a chunk.
+    """
+    mapped, origin_stat, _ = start_reading_column_chunks(path, chunks, opened)
+    return mapped, origin_stat
+
+
+def start_reading_column_chunks(path: str, chunks, opened: Optional[int] = None,
+                                readers: Optional[PieceReaders] = None
+                                ) -> Tuple[Any, os.stat_result,
+                                           Optional[PendingReads]]:
+    """``path`` mapped, with ``chunks`` read into the page cache or being read.
+
+    ``mapped`` is a private, read-only memory map of the file: decoding
+    from it reads the page cache in place, with no copy into a buffer of
+    the process (measured on a 117 MB row group: 0.08 s of CPU to read and
     decode, against 0.17 s reading it into a new buffer first).  Where the
     file cannot be mapped (a FUSE mount with ``direct_io``, a limit on
-    address space), returns the path: Arrow then reads the file itself.
+    address space), it is the path: Arrow then reads the file itself.
     A file truncated on shared storage while it is decoded ends the process
     with ``SIGBUS``, as for any memory-mapped file; a file already shorter
-    than its footer says is an ``OSError`` here.
+    than its footer says is an ``OSError`` when it is read.
 
     Args:
         path: The Parquet file.
         chunks: Metadata of the column chunks to read.
         opened: A descriptor of ``path``, open, to read through (duplicated:
             the caller keeps it); ``None`` opens ``path``.
+        readers: Threads to read the pieces on, behind those of the row
+            groups read ahead before (stage 2's); ``None`` reads them now.
+
+    Returns:
+        ``(mapped, stat, pending)``: ``stat`` is the opened file's;
+        ``pending`` is ``None`` when the chunks were read here, else the
+        reads queued on ``readers``: ``pending.wait()`` before decoding.
 
     Raises:
-        OSError: the file cannot be read, or ends inside a chunk.
+        OSError: the file cannot be read, or ends inside a chunk (with
+            ``readers``, ``pending.wait()`` raises the read's errors).
+        RuntimeError: ``readers`` are closed.
     """
     fd = os.open(path, os.O_RDONLY) if opened is None else os.dup(opened)
     try:
@@ -589,18 +621,31 @@ def _map_column_chunks(path: str, chunks, opened: Optional[int] = None
             mapped = pyarrow.py_buffer(mmap.mmap(
                 fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ))
         except (OSError, ValueError):
-            _read_into_page_cache(fd, ranges, path)
-            return path, origin_stat
-        _read_into_page_cache(fd, ranges, path, mapped)
-        return mapped, origin_stat
-    finally:
+            mapped = None
+        read_piece = _piece_reader(fd, path, mapped)
+        threads = read_threads_for(path)
+        pieces = pieces_to_read(ranges, threads)
+    except BaseException:
         os.close(fd)
+        raise
+    pending = None
+    if readers is None:
+        try:
+            map_in_threads(read_piece, pieces, threads, 'read')
+        finally:
+            os.close(fd)
+    else:  # the descriptor is closed once the pieces are read
+        pending = readers.submit(read_piece, pieces, threads,
+                                 functools.partial(os.close, fd))
+    return (path if mapped is None else mapped), origin_stat, pending
 
 
-def _read_into_page_cache(fd: int, ranges: Sequence[Tuple[int, int]],
-                          path: str, mapped: Optional[pyarrow.Buffer] = None
-                          ) -> None:
-    """Reads ``ranges`` of ``fd`` into the page cache, in parallel pieces.
+def _piece_reader(fd: int, path: str, mapped: Optional[pyarrow.Buffer] = None
+                  ) -> Callable[[Tuple[int, int]], None]:
+    """``read_piece((start, end))``, which reads those bytes of ``fd`` into the page cache.
+
+    The pieces of a row group's chunks (:func:`pieces_to_read`) are read in
+    parallel, several at once.
 
     Shared file systems (Lustre, GPFS, NFS, FUSE) serve one stream of reads
     far below their bandwidth: each request waits its latency.  Reading
@@ -631,15 +676,15 @@ def _read_into_page_cache(fd: int, ranges: Sequence[Tuple[int, int]],
     into a small scratch buffer that it reuses.
 
     Args:
-        fd: The file, open for reading.
-        ranges: ``(start, end)`` byte ranges to read.
-        path: The file's path, for errors and to choose the threads.
+        fd: The file, open for reading while pieces are read.
+        path: The file's path, for errors.
         mapped: The whole file, memory-mapped, or ``None``.
 
-    Raises:
-        OSError: a read failed, or the file ends inside a range.
+    Returns:
+        The function; it raises ``OSError`` when a read fails or the file
+        ends inside the piece.
     """
-    def read_piece(piece):
+    def read_piece(piece: Tuple[int, int]) -> None:
         at, end = piece
         if mapped is not None and end <= mapped.size and _populate(
                 mapped, at, end):
@@ -652,8 +697,7 @@ def _read_into_page_cache(fd: int, ranges: Sequence[Tuple[int, int]],
                               'column chunk (up to {})'.format(at, end), path)
             at += got
 
-    threads = read_threads_for(path)
-    map_in_threads(read_piece, pieces_to_read(ranges, threads), threads, 'read')
+    return read_piece
 
 
 @functools.lru_cache(maxsize=1024)
@@ -679,7 +723,7 @@ def read_threads_for(path: str) -> int:
 
 def pieces_to_read(ranges: Sequence[Tuple[int, int]], threads: int
                    ) -> List[Tuple[int, int]]:
-    """The pieces :func:`_read_into_page_cache` reads, at once, of ``ranges``.
+    """The pieces of ``ranges`` read at once (see :func:`_piece_reader`).
 
     Each range is cut into up to ``threads`` pieces of at least
     :data:`READ_PIECE_BYTES` (a shorter range is one piece).

@@ -50,6 +50,7 @@ from chainer_prefetch.iterators import _columnar_worker, _worker
 from chainer_prefetch.iterators import _scheduler as s
 from chainer_prefetch.iterators._loader_threads import LoaderThreads
 from chainer_prefetch.iterators._worker_pool import TASKS_PER_WORKER, WorkerPool
+from chainer_prefetch.staging.piece_reads import PieceReaders
 from chainer_prefetch.staging.sources import ReadAhead, Source, as_source, using_reads_ahead
 
 #: Seconds the whole shutdown may take.
@@ -172,7 +173,12 @@ class CopyThreads:
     other makes the current one from what was read, so reading and decoding
     overlap.  At most ``READS_AHEAD`` copies are read ahead of the one
     being made: two, so that a small copy read fast does not leave the
-    storage idle while a large one is decoded.  A copy whose origin file is
+    storage idle while a large one is decoded.  A source that reads in
+    pieces queues them on :class:`~chainer_prefetch.staging.piece_reads.PieceReaders`
+    shared by all the copies read ahead, first in, first out, so that the
+    next copy's pieces are read as soon as threads are free from this one's
+    (its read returns at once); the copy thread waits for a copy's pieces
+    before it makes it.  A copy whose origin file is
     that of a copy read or made meanwhile is read through the descriptor
     that copy's read opened, kept open: on some file systems, FUSE without
     ``keep_cache`` among them, opening a file again drops the pages the
@@ -202,6 +208,7 @@ class CopyThreads:
         self._tasks_alone = queue.SimpleQueue()
         self._to_make = queue.SimpleQueue()  # (action, sources, reads)
         self._read_ahead_slots = threading.Semaphore(READS_AHEAD)
+        self._piece_readers = PieceReaders()  # closed by the read-ahead thread
         self._lock = threading.Lock()
         self._queued = {}  # copy id -> action, not started yet
         targets = [(self._read_ahead_loop, 'read-ahead'),
@@ -230,6 +237,7 @@ class CopyThreads:
         """Asks every thread to stop after its current copy."""
         with self._lock:
             self._queued.clear()
+        self._piece_readers.close(wait=False)  # (the read-ahead thread waits)
         self._tasks_alone.put(None)
         for _ in range(self._n_threads):
             self._tasks.put(None)
@@ -281,6 +289,7 @@ class CopyThreads:
                 reads = None  # (owned by the copy thread now)
         finally:
             open_origins.close()
+            self._piece_readers.close()  # (a copy waiting for its reads: cancelled)
 
     def _read_ahead(self, sources: Sequence[Source],
                     open_origins: 'OpenOrigins') -> Optional[list]:
@@ -299,7 +308,8 @@ class CopyThreads:
             if not self._needs_copy(sources):
                 return None
             opened = open_origins.open({source.origin for source in sources})
-            reads = [source.read_ahead(opened[source.origin])
+            reads = [source.read_ahead(opened[source.origin],
+                                       readers=self._piece_readers)
                      for source in sources]
         except Exception:  # the copy reads again and names the file
             return []
@@ -314,6 +324,8 @@ class CopyThreads:
             action, sources, reads = task
             task = None
             reads_itself = reads == []
+            if reads:  # their pieces may still be queued or being read
+                _finish_reads(reads, self._is_queued(action.copy_id))
             if not reads_itself:  # read ahead, or nothing to read
                 self._read_ahead_slots.release()  # read the next meanwhile
             if self._start(action):
@@ -322,6 +334,19 @@ class CopyThreads:
             if reads_itself:
                 for _ in range(READS_AHEAD):  # it read alone; now the next
                     self._read_ahead_slots.release()
+
+
+def _finish_reads(reads: Sequence[ReadAhead], wanted: bool) -> None:
+    """Waits for ``reads`` to be read, or cancels them if no copy is ``wanted``.
+
+    A read that failed is dropped (:meth:`ReadAhead.finish`): its copy reads
+    the origin again, and names the error.
+    """
+    for read in reads:
+        if wanted:
+            read.finish()
+        else:
+            read.cancel()
 
 
 class OpenOrigins:

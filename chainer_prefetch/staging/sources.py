@@ -98,7 +98,8 @@ class Source:
         return (stat.S_ISREG(local_stat.st_mode)
                 and local_stat.st_mtime_ns == origin_stat.st_mtime_ns)
 
-    def read_ahead(self, opened: Optional[int] = None) -> Optional['ReadAhead']:
+    def read_ahead(self, opened: Optional[int] = None,
+                   readers=None) -> Optional['ReadAhead']:
         """Reads what the next copy needs from the origin, ahead of the copy.
 
         Called on another thread while the previous copy is being made; the
@@ -113,6 +114,10 @@ class Source:
                 the same origin: on some file systems, FUSE without
                 ``keep_cache`` among them, opening a file drops the pages
                 those copies may still be reading.
+            readers: A :class:`~chainer_prefetch.staging.piece_reads.PieceReaders`
+                that a kind reading in pieces may queue them on instead of
+                reading them now (the read is then pending: see
+                :meth:`ReadAhead.finish`), or ``None``.
 
         Returns:
             What was read, or ``None`` when this kind reads nothing ahead (the
@@ -309,15 +314,40 @@ class ReadAhead:
             file): a copy whose origin has changed since reads it again.
         value: What the source's copy takes (for a :class:`DerivedFile`, its
             ``load_from_origin(ahead=value)``).
+        pending: The reads ``value`` still waits for
+            (:class:`~chainer_prefetch.staging.piece_reads.PendingReads`),
+            or ``None`` when it is read.
     """
 
-    __slots__ = ('source_name', 'origin_stat', 'value')
+    __slots__ = ('source_name', 'origin_stat', 'value', 'pending')
 
     def __init__(self, source_name: str, origin_stat: os.stat_result,
-                 value: Any):
+                 value: Any, pending=None):
         self.source_name = source_name
         self.origin_stat = origin_stat
         self.value = value
+        self.pending = pending
+
+    def finish(self) -> bool:
+        """Waits for the reads still pending; whether they all succeeded.
+
+        A read that failed is not reported here: the copy reads the origin
+        again and names the error.
+        """
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return self.value is not None
+        try:
+            pending.wait()
+        except Exception:
+            self.value = None
+            return False
+        return True
+
+    def cancel(self):
+        """Drops the reads still pending that no thread has started."""
+        if self.pending is not None:
+            self.pending.cancel()
 
     def is_of(self, origin_stat: os.stat_result) -> bool:
         """Whether it was read from the same file, unchanged, as ``origin_stat``."""
@@ -345,13 +375,19 @@ def using_reads_ahead(reads: Sequence[ReadAhead]):
     try:
         yield
     finally:
-        _reads_ahead.by_name = {}
+        unused, _reads_ahead.by_name = _reads_ahead.by_name, {}
+        for read in unused.values():
+            read.cancel()
 
 
 def _take_read_ahead(source: Source, origin_stat: os.stat_result) -> Any:
-    """The value read ahead for ``source`` that is still current, or ``None``."""
+    """The value read ahead for ``source`` that is still current and read, or ``None``."""
     read = getattr(_reads_ahead, 'by_name', {}).pop(source.name, None)
-    return read.value if read is not None and read.is_of(origin_stat) else None
+    if read is None or not read.is_of(origin_stat):
+        if read is not None:
+            read.cancel()
+        return None
+    return read.value if read.finish() else None
 
 
 def as_source(named: Union[str, os.PathLike, Source]) -> Source:
