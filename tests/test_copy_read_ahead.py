@@ -22,7 +22,7 @@ class LoggedFile(DerivedFile):
         super().__init__(name, origin)
         self.log = log
 
-    def read_ahead(self, opened=None, readers=None):
+    def read_ahead(self, opened=None):
         started = time.monotonic()
         origin_stat = os.fstat(opened)
         assert os.path.samestat(origin_stat, os.stat(self.origin))
@@ -225,7 +225,7 @@ def test_a_source_already_local_is_not_read_ahead(tmp_path):
 
 
 class FailingRead(LoggedFile):
-    def read_ahead(self, opened=None, readers=None):
+    def read_ahead(self, opened=None):
         raise RuntimeError('read ahead failed')
 
 
@@ -288,9 +288,10 @@ class PiecewiseFile(LoggedFile):
 
     pieces = 3
     gate = None  # an Event its pieces wait for, or None
+    started = None  # a Semaphore released as each piece starts, or None
 
-    def read_ahead(self, opened=None, readers=None):
-        assert readers is not None
+    def start_read_ahead(self, opened, readers):
+        self.log.append(('queued', self.name, time.monotonic()))
         origin_stat = os.fstat(opened)
         return ReadAhead(self.name, origin_stat, b'read ahead', readers.submit(
             self._read_piece, range(self.pieces), 2,
@@ -298,6 +299,8 @@ class PiecewiseFile(LoggedFile):
 
     def _read_piece(self, piece):
         started = time.monotonic()
+        if self.started is not None:
+            self.started.release()
         if self.gate is not None:
             assert self.gate.wait(10)
         time.sleep(PIECE_SECONDS)
@@ -309,6 +312,13 @@ class PiecewiseFile(LoggedFile):
 def _piece_reader_threads():
     return [thread for thread in threading.enumerate()
             if thread.name.startswith('chainer_prefetch-read-')]
+
+
+def _wait_for(condition, what):
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, 'waited 10 s for ' + what
+        time.sleep(0.005)
 
 
 def test_reads_queued_in_pieces_overlap_and_each_copy_waits_for_its_own(tmp_path):
@@ -331,26 +341,40 @@ def test_reads_queued_in_pieces_overlap_and_each_copy_waits_for_its_own(tmp_path
         source.name for source in sources for _ in range(PiecewiseFile.pieces)]
     for entry in order:
         assert sum(other[2] <= entry[2] < other[3] for other in order) <= 2
-    # ... and the copy read ahead behind the first (READS_AHEAD: both queued
-    # at once) starts on the thread freed while the first's last piece is
-    # still read (three pieces on two threads).
-    last = max(entry[3] for entry in pieces if entry[1] == sources[0].name)
-    first = min(entry[2] for entry in pieces if entry[1] == sources[1].name)
-    assert first < last
+    # ... the copy read ahead behind the first (READS_AHEAD: both queued at
+    # once) starts on the thread freed while the first's last piece is
+    # still read (three pieces on two threads) ...
+    def first_piece(source):
+        return min(entry[2] for entry in pieces if entry[1] == source.name)
+
+    def last_piece(source):
+        return max(entry[3] for entry in pieces if entry[1] == source.name)
+
+    assert first_piece(sources[1]) < last_piece(sources[0])
+    # ... and no more than READS_AHEAD are read ahead of the one being made:
+    # the third is queued once the first is read.
+    queued = {entry[1]: entry[2] for entry in log if entry[0] == 'queued'}
+    assert queued[sources[1].name] < last_piece(sources[0])
+    assert queued[sources[2].name] >= last_piece(sources[0])
     released = [entry[1] for entry in log if entry[0] == 'released']
     assert sorted(released) == sorted(source.name for source in sources)
 
 
 def test_a_read_whose_pieces_fail_leaves_the_copy_to_read_again(tmp_path):
     log = []
-    origins = _origins(tmp_path, 3)
+    origins = _origins(tmp_path, 4)
     sources = [PiecewiseFile('/virtual/{}'.format(name), origin, log)
-               for name, origin in zip(('f0', 'bad1', 'f2'), origins)]
+               for name, origin in zip(('f0', 'bad1', 'f2', 'f3'), origins)]
     stage = _copy_all(tmp_path, sources)
-    assert stage.done == [0, 1, 2]
-    made = {entry[1]: entry[4] for entry in log if entry[0] == 'make'}
-    assert made == {'/virtual/f0': b'read ahead', '/virtual/bad1': None,
-                    '/virtual/f2': b'read ahead'}
+    assert stage.done == [0, 1, 2, 3]
+    made = {entry[1]: entry for entry in log if entry[0] == 'make'}
+    assert {name: entry[4] for name, entry in made.items()} == {
+        '/virtual/f0': b'read ahead', '/virtual/bad1': None,
+        '/virtual/f2': b'read ahead', '/virtual/f3': b'read ahead'}
+    # bad1 read again while it was made, and no read started meanwhile
+    # (f2's was queued before).
+    assert min(entry[2] for entry in log if entry[0] == 'piece'
+               and entry[1] == '/virtual/f3') >= made['/virtual/bad1'][3]
     assert _piece_reader_threads() == []
 
 
@@ -361,24 +385,27 @@ def test_a_copy_cancelled_while_its_pieces_wait_has_them_dropped(tmp_path):
     second = PiecewiseFile('/virtual/f1', origins[1], log)
     second.pieces = 4
     second.gate = threading.Event()
+    second.started = threading.Semaphore(0)
     stage = Stage2(str(tmp_path))
     try:
         _submit(stage, [first, second])
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not any(  # f1's first pieces wait
-                entry[0] == 'make' and entry[1] == '/virtual/f0' for entry in log):
-            time.sleep(0.01)
+        for _ in range(2):  # f1's first two pieces hold both threads
+            assert second.started.acquire(timeout=10)
+        _wait_for(lambda: any(entry[:2] == ('make', '/virtual/f0')
+                              for entry in log), 'f0 to be made')
+        # The copy thread now waits for f1's pieces.
         assert stage.threads.cancel([1]) == (1,)
-        time.sleep(MAKE_SECONDS)  # the copy thread drops f1's queued pieces
         second.gate.set()
+        _wait_for(lambda: ('released', '/virtual/f1') in [
+            entry[:2] for entry in log], 'f1 to release its file')
         stage.wait(1)
     finally:
+        second.gate.set()
         stage.stop()
     assert stage.done == [0]
-    read = [entry[4] for entry in log if entry[0] == 'piece'
-            and entry[1] == '/virtual/f1']
-    assert sorted(read) == [0, 1]  # the two being read when it was cancelled
-    assert ('released', '/virtual/f1') in [entry[:2] for entry in log]
+    assert sorted(entry[4] for entry in log if entry[0] == 'piece'
+                  and entry[1] == '/virtual/f1') == [0, 1]  # 2 and 3 dropped
+    assert '/virtual/f1' not in [entry[1] for entry in log if entry[0] == 'make']
     assert _piece_reader_threads() == []
 
 
@@ -387,13 +414,19 @@ def test_stop_with_pieces_still_queued_ends_every_reader_thread(tmp_path):
     log = []
     sources = _logged_files(tmp_path, 4, log, PiecewiseFile)
     gate = threading.Event()
+    started = threading.Semaphore(0)
     for source in sources:
         source.gate = gate
+        source.started = started
     stage = Stage2(str(tmp_path))
     _submit(stage, sources)
-    time.sleep(0.1)  # two pieces of f0 are being read, the rest queued
-    threading.Timer(0.2, gate.set).start()
-    stage.stop()  # asserts the copy threads ended
+    for _ in range(2):  # two pieces of f0 are being read, the rest queued
+        assert started.acquire(timeout=10)
+    stage.threads.stop()
+    gate.set()
+    for thread in stage.threads.threads:
+        thread.join(5)
+        assert not thread.is_alive(), thread.name
     assert _piece_reader_threads() == []
     assert stage.done == []
     assert len([entry for entry in log if entry[0] == 'piece']) == 2

@@ -94,7 +94,7 @@ def _parquet_file(directory):
 
 
 def _threads_of_a_read(path, monkeypatch):
-    """The threads ``_read_into_page_cache`` used for a real read of ``path``."""
+    """The threads ``start_reading_column_chunks`` used for a real read of ``path``."""
     used = []
     real = parquet_module.map_in_threads
 

@@ -49,13 +49,13 @@ class Gated:
 
 def test_the_next_copys_pieces_take_each_thread_freed_after_the_last_of_this_one():
     pieces = Gated()
-    released = []
+    released = {'a': threading.Event(), 'b': threading.Event()}
     readers = PieceReaders()
     try:
         first = readers.submit(pieces.read, ['a0', 'a1', 'a2'], 2,
-                               lambda: released.append('a'))
+                               released['a'].set)
         second = readers.submit(pieces.read, ['b0', 'b1'], 2,
-                                lambda: released.append('b'))
+                                released['b'].set)
         pieces.wait_started(2)
         assert pieces.starts() == ['a0', 'a1']  # two threads for this width
         pieces.gate('a0').set()
@@ -66,14 +66,15 @@ def test_the_next_copys_pieces_take_each_thread_freed_after_the_last_of_this_one
         # A thread freed while a2 is still read takes the next copy's piece:
         # the storage keeps as many requests in flight between row groups.
         assert pieces.starts() == ['a0', 'a1', 'a2', 'b0']
-        assert released == []
+        assert not released['a'].is_set()
         pieces.gate('a2').set()
         first.wait()
-        assert released == ['a']  # once its last piece is read
+        assert released['a'].wait(WAIT)  # once its last piece is read
+        assert not released['b'].is_set()
         pieces.gate('b0').set()
         pieces.gate('b1').set()
         second.wait()
-        assert released == ['a', 'b']
+        assert released['b'].wait(WAIT)
     finally:
         for piece in ('a0', 'a1', 'a2', 'b0', 'b1'):
             pieces.gate(piece).set()
@@ -92,20 +93,19 @@ def test_a_failed_piece_is_raised_in_order_and_the_pieces_not_started_dropped():
         pieces.wait_started(2)
         pieces.gate('bad1').set()  # fails while ok0 is still being read
         pieces.wait_started(1)  # ok2, on the thread bad1 freed
-        threading.Timer(0.2, pieces.gate('ok0').set).start()
+        pieces.gate('ok0').set()
+        pieces.wait_started(1)  # ok3, on the thread ok0 freed
         with pytest.raises(OSError, match='cannot read bad1'):
-            pending.wait()
-        # ok0 was waited for first (the pieces' order); its thread may have
-        # taken ok3 meanwhile; ok4 was dropped when bad1's error was raised.
+            pending.wait()  # ok0 is waited for first (the pieces' order)
         assert ('end', 'ok0') in pieces.log
-        assert pieces.starts()[:3] == ['ok0', 'bad1', 'ok2']
-        assert released == []  # ok2 is still being read
+        assert released == []  # ok2 and ok3 are still being read
         pieces.gate('ok2').set()
         pieces.gate('ok3').set()
     finally:
         readers.close()
     assert released == [True]  # once, when the last piece was done
-    assert 'ok4' not in pieces.starts()
+    # ok4 was dropped when bad1's error was raised.
+    assert pieces.starts() == ['ok0', 'bad1', 'ok2', 'ok3']
 
 
 def test_cancel_drops_the_pieces_not_started_and_releases_when_the_rest_end():
@@ -133,8 +133,9 @@ def test_close_drops_the_queued_pieces_waits_for_those_read_and_refuses_more():
     pending = readers.submit(pieces.read, ['d0', 'd1', 'd2'], 2,
                              lambda: released.append('d'))
     pieces.wait_started(2)
-    threading.Timer(0.2, lambda: [pieces.gate(p).set() for p in ('d0', 'd1')]
-                    ).start()
+    readers.close(wait=False)  # d2 dropped at once
+    pieces.gate('d0').set()
+    pieces.gate('d1').set()
     readers.close()  # returns once d0 and d1 are read: no thread outlives it
     assert _reader_threads() == []
     assert sorted(piece for event, piece in pieces.log if event == 'end') == [

@@ -157,8 +157,7 @@ class RowGroupFile(DerivedFile):
         group, _ = self._column_chunks()
         return self.source_bytes(origin_stat) // max(1, group.num_rows)
 
-    def read_ahead(self, opened: Optional[int] = None,
-                   readers: Optional[PieceReaders] = None) -> ReadAhead:
+    def read_ahead(self, opened: Optional[int] = None) -> ReadAhead:
         """Reads the row group's column chunks into the page cache, and maps the file.
 
         The copy then only decodes (:meth:`load_from_origin`), so stage 2
@@ -169,9 +168,17 @@ class RowGroupFile(DerivedFile):
             opened: A descriptor of the Parquet file to read through instead
                 of opening it (see :meth:`Source.read_ahead
                 <chainer_prefetch.staging.sources.Source.read_ahead>`).
+        """
+        return self.start_read_ahead(opened, None)
+
+    def start_read_ahead(self, opened: Optional[int],
+                         readers: Optional[PieceReaders]) -> ReadAhead:
+        """:meth:`read_ahead`, with the pieces queued on ``readers``; returns at once.
+
+        Args:
+            opened: As for :meth:`read_ahead`.
             readers: Threads to read the chunks' pieces on, behind the row
-                groups read ahead before; the read then returns at once,
-                still pending (see :func:`start_reading_column_chunks`).
+                groups read ahead before (``None``: read them now).
         """
         _, chunks = self._column_chunks()
         mapped, origin_stat, pending = start_reading_column_chunks(

@@ -34,6 +34,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import itertools
 import mmap
 import os
 import queue
@@ -174,11 +175,13 @@ class CopyThreads:
     overlap.  At most ``READS_AHEAD`` copies are read ahead of the one
     being made: two, so that a small copy read fast does not leave the
     storage idle while a large one is decoded.  A source that reads in
-    pieces queues them on :class:`~chainer_prefetch.staging.piece_reads.PieceReaders`
+    pieces (:meth:`~chainer_prefetch.staging.sources.Source.start_read_ahead`)
+    queues them on :class:`~chainer_prefetch.staging.piece_reads.PieceReaders`
     shared by all the copies read ahead, first in, first out, so that the
     next copy's pieces are read as soon as threads are free from this one's
     (its read returns at once); the copy thread waits for a copy's pieces
-    before it makes it.  A copy whose origin file is
+    before it makes it, and a copy cancelled meanwhile has the pieces not
+    started dropped.  A copy whose origin file is
     that of a copy read or made meanwhile is read through the descriptor
     that copy's read opened, kept open: on some file systems, FUSE without
     ``keep_cache`` among them, opening a file again drops the pages the
@@ -189,7 +192,9 @@ class CopyThreads:
     in later epochs, stage 2 finds most row groups current and reads
     nothing.  A copy with nothing read ahead reads while it is made, alone:
     it waits until the copies read ahead before it are being made, and no
-    read starts until it is done.
+    read starts until it is done.  A copy whose queued read failed reads
+    again while it is made, and no further read starts until it is done
+    (those queued before it go on).
 
     Args:
         n_threads: How many threads run the other copies.
@@ -211,6 +216,7 @@ class CopyThreads:
         self._piece_readers = PieceReaders()  # closed by the read-ahead thread
         self._lock = threading.Lock()
         self._queued = {}  # copy id -> action, not started yet
+        self._pending_reads = {}  # copy id -> its reads ahead, until it is made
         targets = [(self._read_ahead_loop, 'read-ahead'),
                    (self._make_loop, 'copy-alone')] + [
             (self._loop, 'copy-{}'.format(i)) for i in range(n_threads)]
@@ -228,10 +234,18 @@ class CopyThreads:
         (self._tasks_alone if alone else self._tasks).put((action, sources))
 
     def cancel(self, copy_ids) -> tuple:
-        """Cancels the copies no thread has started; returns their ids."""
+        """Cancels the copies no thread has started; returns their ids.
+
+        The pieces of their reads ahead that no thread has started are
+        dropped, also while the copy thread waits for them.
+        """
         with self._lock:
-            return tuple(copy_id for copy_id in copy_ids
-                         if self._queued.pop(copy_id, None) is not None)
+            cancelled = tuple(copy_id for copy_id in copy_ids
+                              if self._queued.pop(copy_id, None) is not None)
+            reads = [self._pending_reads.pop(copy_id, ()) for copy_id in cancelled]
+        for read in itertools.chain.from_iterable(reads):
+            read.cancel()
+        return cancelled
 
     def stop(self):
         """Asks every thread to stop after its current copy."""
@@ -285,11 +299,25 @@ class CopyThreads:
                 if reads == []:  # it reads while it is made: alone
                     for _ in range(READS_AHEAD - 1):
                         self._read_ahead_slots.acquire()
+                elif reads:
+                    self._keep_pending(task[0].copy_id, reads)
                 self._to_make.put(task + (reads,))
                 reads = None  # (owned by the copy thread now)
         finally:
-            open_origins.close()
-            self._piece_readers.close()  # (a copy waiting for its reads: cancelled)
+            try:
+                open_origins.close()
+            finally:  # (a copy waiting for its reads: cancelled)
+                self._piece_readers.close()
+
+    def _keep_pending(self, copy_id, reads: Sequence[ReadAhead]):
+        """Keeps ``reads`` for :meth:`cancel`; cancels them if the copy was cancelled meanwhile."""
+        with self._lock:
+            wanted = copy_id in self._queued
+            if wanted:
+                self._pending_reads[copy_id] = reads
+        if not wanted:
+            for read in reads:
+                read.cancel()
 
     def _read_ahead(self, sources: Sequence[Source],
                     open_origins: 'OpenOrigins') -> Optional[list]:
@@ -304,16 +332,21 @@ class CopyThreads:
             read, or a read failed); ``None`` when their local forms are
             current (the copy reads nothing).
         """
+        reads = []
         try:
             if not self._needs_copy(sources):
                 return None
             opened = open_origins.open({source.origin for source in sources})
-            reads = [source.read_ahead(opened[source.origin],
-                                       readers=self._piece_readers)
-                     for source in sources]
+            for source in sources:
+                read = source.start_read_ahead(opened[source.origin],
+                                               self._piece_readers)
+                if isinstance(read, ReadAhead):
+                    reads.append(read)
         except Exception:  # the copy reads again and names the file
+            for read in reads:
+                read.cancel()
             return []
-        return [read for read in reads if isinstance(read, ReadAhead)]
+        return reads
 
     def _make_loop(self):
         """Makes the one-at-a-time copies from what was read ahead for them."""
@@ -324,9 +357,12 @@ class CopyThreads:
             action, sources, reads = task
             task = None
             reads_itself = reads == []
+            read_failed = False
             if reads:  # their pieces may still be queued or being read
-                _finish_reads(reads, self._is_queued(action.copy_id))
-            if not reads_itself:  # read ahead, or nothing to read
+                read_failed = not _finish_reads(reads)
+                with self._lock:
+                    self._pending_reads.pop(action.copy_id, None)
+            if not (reads_itself or read_failed):  # read, or nothing to read
                 self._read_ahead_slots.release()  # read the next meanwhile
             if self._start(action):
                 self._make(action, sources, reads or ())
@@ -334,19 +370,21 @@ class CopyThreads:
             if reads_itself:
                 for _ in range(READS_AHEAD):  # it read alone; now the next
                     self._read_ahead_slots.release()
+            elif read_failed:  # it read again, with no further read started
+                self._read_ahead_slots.release()
 
 
-def _finish_reads(reads: Sequence[ReadAhead], wanted: bool) -> None:
-    """Waits for ``reads`` to be read, or cancels them if no copy is ``wanted``.
+def _finish_reads(reads: Sequence[ReadAhead]) -> bool:
+    """Waits until every one of ``reads`` is read; whether all were.
 
-    A read that failed is dropped (:meth:`ReadAhead.finish`): its copy reads
-    the origin again, and names the error.
+    A read that failed or was cancelled is dropped
+    (:meth:`ReadAhead.finish`): its copy, if still wanted, reads the origin
+    again and names the error.
+
+    Args:
+        reads: The reads ahead of one copy.
     """
-    for read in reads:
-        if wanted:
-            read.finish()
-        else:
-            read.cancel()
+    return all([read.finish() for read in reads])  # (each waited for)
 
 
 class OpenOrigins:

@@ -1,17 +1,17 @@
 """Threads that read the pieces of several copies read ahead, first submitted first read.
 
 Stage 2 reads a row group ahead in parallel pieces (see
-:func:`chainer_prefetch.datasets.parquet._read_into_page_cache`).  When each
-row group's read starts its own threads and waits for all of them, the
+:func:`chainer_prefetch.datasets.parquet.start_reading_column_chunks`).  When
+each row group's read starts its own threads and waits for all of them, the
 storage idles twice per row group: while the last pieces finish on fewer
 streams than it needs, and while the next file is opened and its first
-requests wait their latency.  :class:`PieceReaders` keeps the threads and
-one queue for all the copies read ahead: a thread that finishes a piece of
-one row group takes the next piece in the queue, of the next row group if
-this one has none left, so the streams stay busy from one row group to the
-next.  The queue is first in, first out, so the row group needed first is
-still read first: reading the next one at the same time with an equal
-share would delay it.
+requests wait their latency.  :class:`PieceReaders` keeps the threads, and
+one queue per width (pieces read at once) for all the copies read ahead: a
+thread that finishes a piece of one row group takes the next piece in its
+queue, of the next row group if this one has none left, so the streams stay
+busy from one row group to the next.  Each queue is first in, first out, so
+the row group needed first is still read first: reading the next one at the
+same time with an equal share would delay it.
 """
 import concurrent.futures
 import threading
@@ -97,6 +97,7 @@ class PieceReaders:
         Raises:
             RuntimeError: the readers are closed.
         """
+        futures: List[concurrent.futures.Future] = []
         try:
             with self._lock:
                 if self._closed:
@@ -107,10 +108,10 @@ class PieceReaders:
                         concurrent.futures.ThreadPoolExecutor(
                             threads, thread_name_prefix='chainer_prefetch-'
                             'read-{}'.format(threads)))
-                futures: List[concurrent.futures.Future] = [
-                    pool.submit(read_piece, piece) for piece in pieces]
-        except BaseException:
-            release()
+                for piece in pieces:
+                    futures.append(pool.submit(read_piece, piece))
+        except BaseException:  # released once the pieces queued are done
+            PendingReads(futures, release).cancel()
             raise
         return PendingReads(futures, release)
 

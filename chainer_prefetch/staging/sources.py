@@ -35,6 +35,7 @@ import threading
 from typing import Any, BinaryIO, Optional, Sequence, Tuple, Union
 
 from chainer_prefetch.errors import LocalStorageError, SourceFileError
+from chainer_prefetch.staging.piece_reads import PendingReads, PieceReaders
 
 #: Bytes per ``sendfile`` call (the kernel copies; nothing passes through Python).
 _SENDFILE_BYTES = 1 << 24
@@ -98,8 +99,7 @@ class Source:
         return (stat.S_ISREG(local_stat.st_mode)
                 and local_stat.st_mtime_ns == origin_stat.st_mtime_ns)
 
-    def read_ahead(self, opened: Optional[int] = None,
-                   readers=None) -> Optional['ReadAhead']:
+    def read_ahead(self, opened: Optional[int] = None) -> Optional['ReadAhead']:
         """Reads what the next copy needs from the origin, ahead of the copy.
 
         Called on another thread while the previous copy is being made; the
@@ -114,16 +114,30 @@ class Source:
                 the same origin: on some file systems, FUSE without
                 ``keep_cache`` among them, opening a file drops the pages
                 those copies may still be reading.
-            readers: A :class:`~chainer_prefetch.staging.piece_reads.PieceReaders`
-                that a kind reading in pieces may queue them on instead of
-                reading them now (the read is then pending: see
-                :meth:`ReadAhead.finish`), or ``None``.
 
         Returns:
             What was read, or ``None`` when this kind reads nothing ahead (the
             default).
         """
         return None
+
+    def start_read_ahead(self, opened: int,
+                         readers: PieceReaders) -> Optional['ReadAhead']:
+        """Starts :meth:`read_ahead`; what stage 2 calls.
+
+        The default reads now (:meth:`read_ahead`).  A kind that reads in
+        pieces (Parquet row groups) queues them on ``readers`` instead and
+        returns at once, with the read pending (see :meth:`ReadAhead.finish`).
+
+        Args:
+            opened: As for :meth:`read_ahead`.
+            readers: The threads that read the pieces of every copy read
+                ahead, first in, first out.
+
+        Returns:
+            As :meth:`read_ahead`.
+        """
+        return self.read_ahead(opened)
 
     def write_local(self, out_fd: int, origin_stat: os.stat_result,
                     destination: str) -> int:
@@ -314,27 +328,30 @@ class ReadAhead:
             file): a copy whose origin has changed since reads it again.
         value: What the source's copy takes (for a :class:`DerivedFile`, its
             ``load_from_origin(ahead=value)``).
-        pending: The reads ``value`` still waits for
-            (:class:`~chainer_prefetch.staging.piece_reads.PendingReads`),
-            or ``None`` when it is read.
+        pending: The reads ``value`` still waits for, or ``None`` when it is
+            read.
     """
 
     __slots__ = ('source_name', 'origin_stat', 'value', 'pending')
 
     def __init__(self, source_name: str, origin_stat: os.stat_result,
-                 value: Any, pending=None):
+                 value: Any, pending: Optional[PendingReads] = None):
         self.source_name = source_name
         self.origin_stat = origin_stat
         self.value = value
         self.pending = pending
 
     def finish(self) -> bool:
-        """Waits for the reads still pending; whether they all succeeded.
+        """Waits for the reads still pending.
 
         A read that failed is not reported here: the copy reads the origin
         again and names the error.
+
+        Returns:
+            Whether ``value`` was read (``False`` once a read failed or was
+            cancelled; ``value`` is then dropped).
         """
-        pending, self.pending = self.pending, None
+        pending = self.pending  # (kept meanwhile, for cancel())
         if pending is None:
             return self.value is not None
         try:
@@ -342,6 +359,8 @@ class ReadAhead:
         except Exception:
             self.value = None
             return False
+        finally:
+            self.pending = None
         return True
 
     def cancel(self):
