@@ -359,7 +359,8 @@ class CopyThreads:
             reads_itself = reads == []
             read_failed = False
             if reads:  # their pieces may still be queued or being read
-                read_failed = not _finish_reads(reads)
+                # Each is waited for; a failed one is dropped, and the copy reads again.
+                read_failed = not all([read.finish() for read in reads])
                 with self._lock:
                     self._pending_reads.pop(action.copy_id, None)
             if not (reads_itself or read_failed):  # read, or nothing to read
@@ -372,19 +373,6 @@ class CopyThreads:
                     self._read_ahead_slots.release()
             elif read_failed:  # it read again, with no further read started
                 self._read_ahead_slots.release()
-
-
-def _finish_reads(reads: Sequence[ReadAhead]) -> bool:
-    """Waits until every one of ``reads`` is read; whether all were.
-
-    A read that failed or was cancelled is dropped
-    (:meth:`ReadAhead.finish`): its copy, if still wanted, reads the origin
-    again and names the error.
-
-    Args:
-        reads: The reads ahead of one copy.
-    """
-    return all([read.finish() for read in reads])  # (each waited for)
 
 
 class OpenOrigins:

@@ -402,9 +402,10 @@ def using_reads_ahead(reads: Sequence[ReadAhead]):
 def _take_read_ahead(source: Source, origin_stat: os.stat_result) -> Any:
     """The value read ahead for ``source`` that is still current and read, or ``None``."""
     read = getattr(_reads_ahead, 'by_name', {}).pop(source.name, None)
-    if read is None or not read.is_of(origin_stat):
-        if read is not None:
-            read.cancel()
+    if read is None:
+        return None
+    if not read.is_of(origin_stat):  # the origin changed: read it again
+        read.cancel()
         return None
     return read.value if read.finish() else None
 
