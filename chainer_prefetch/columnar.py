@@ -478,22 +478,30 @@ class ColumnarBatch(collections.abc.Sequence):
         """A batch of other columns, in this batch's form unless ``form`` is given."""
         return ColumnarBatch(columns, form or self.form)
 
-    def arrays(self, device=None):
+    def arrays(self, device=None, padding=None):
         """The columns in the structure ``concat_examples`` returns.
 
-        Array columns are sent to ``device``; :class:`VarColumn` and
-        ``object`` columns stay on the host as they are.
+        Array columns are sent to ``device``.  A list column (a
+        :class:`VarColumn` of 1-D arrays) whose rows all have one length
+        is sent as a 2-D array, as ``concat_examples`` stacks such rows;
+        with ``padding``, rows of different lengths are padded with it to
+        the longest, as ``concat_examples(batch, padding=...)`` pads them.
+        Other :class:`VarColumn` columns (``bytes``, ``str``, lists of
+        different lengths without ``padding``) and ``object`` columns stay
+        on the host as they are.
 
         Args:
             device: A Chainer device specifier, or ``None`` to keep the arrays
                 where they are.
+            padding: The value that pads list columns, or ``None``.
 
         Returns:
             A dict (form ``'dict'``), a tuple (``'tuple'``) or one column.
         """
         sent = [column if isinstance(column, VarColumn) or
                 column.dtype == object else to_device(device, column)
-                for column in self.columns.values()]
+                for column in (_stacked(column, padding)
+                               for column in self.columns.values())]
         if self.form == 'dict':
             return dict(zip(self.columns, sent))
         if self.form == 'tuple':
@@ -610,6 +618,28 @@ def concatenate_var(parts: Sequence[VarColumn]) -> VarColumn:
     return VarColumn(joined - joined[0], values, parts[0].kind)
 
 
+def _stacked(column: Column, padding=None) -> Column:
+    """A list column as the 2-D array ``concat_examples`` makes of its rows, where it can.
+
+    Args:
+        column: Any column; only a ``'list'`` :class:`VarColumn` changes.
+        padding: Pads rows of different lengths to the longest (``None``:
+            such a column stays as it is).
+    """
+    if not isinstance(column, VarColumn) or column.kind != 'list':
+        return column
+    lengths = column.lengths()
+    width = int(lengths.max()) if len(lengths) else 0
+    values = column.values[column.offsets[0]:column.offsets[-1]]
+    if (lengths == width).all():
+        return values.reshape(len(lengths), width)
+    if padding is None:
+        return column
+    padded = numpy.full((len(lengths), width), padding, dtype=values.dtype)
+    padded[numpy.arange(width) < lengths[:, None]] = values
+    return padded
+
+
 def _describe(column: Column) -> str:
     if isinstance(column, VarColumn):
         return column.kind
@@ -621,19 +651,31 @@ class ColumnConverter(Converter):
 
     A :class:`ColumnarBatch` becomes the structure Chainer's
     ``concat_examples`` makes of its rows (a dict, a tuple or one array),
-    taken straight from its columns: array columns are sent to the device,
-    :class:`VarColumn` and ``object`` columns stay on the host (decode them
-    in the dataset's transform, or in the model).  Any other batch goes to
-    ``concat_examples``, except (without ``padding``) a list of examples
-    with ``str`` or ``bytes`` values (rows of a Parquet dataset on the row
-    path, e.g. with the next-epoch cache), which ``concat_examples`` cannot
-    stack: it is made columns first (:meth:`ColumnarBatch.from_examples`),
-    as the columnar path delivers them.  Use it as the updater's and evaluator's
+    taken straight from its columns (:meth:`ColumnarBatch.arrays`): array
+    columns, and list columns whose rows have one length (2-D), are sent
+    to the device; other :class:`VarColumn` and ``object`` columns stay on
+    the host (decode them in the dataset's transform, or in the model).
+    Without ``padding``, a list column's rows may have one length in one
+    batch (a 2-D array) and not in the next (a :class:`VarColumn`), as
+    ``concat_examples`` stacks the first and fails on the second: give
+    ``padding`` for lists of varying length, and every batch of them is a
+    padded 2-D array.
+
+    Any other batch (a list of examples) goes to ``concat_examples``,
+    except what it cannot stack: examples with ``str`` or ``bytes`` values,
+    and, without ``padding``, examples whose arrays differ in shape in a
+    field (rows of a Parquet dataset on the row path, e.g. with the
+    next-epoch cache).  Those are made columns first
+    (:meth:`ColumnarBatch.from_examples`: 1-D arrays of different lengths
+    a list column, other arrays of different shapes an ``object``
+    column), as the columnar path delivers them, so a model gets the same
+    arrays from either path.  Use it as the updater's and evaluator's
     ``converter``; it pickles, so it also works with ``forkserver``.
 
     Args:
-        padding: Passed to ``concat_examples`` for other batches (a
-            columnar batch has fixed shapes already).
+        padding: Pads the rows of list columns of different lengths, as
+            ``concat_examples`` pads them (``None``: such columns come as
+            :class:`VarColumn`).
     """
 
     def __init__(self, padding=None):
@@ -641,17 +683,48 @@ class ColumnConverter(Converter):
 
     def __call__(self, batch, device=None):
         if isinstance(batch, ColumnarBatch):
-            return batch.arrays(device)
-        if self.padding is None and any(map(_holds_text, batch)):
-            return ColumnarBatch.from_examples(batch).arrays(device)
+            return batch.arrays(device, self.padding)
+        if len(batch) and _needs_columns(batch, self.padding):
+            return ColumnarBatch.from_examples(batch).arrays(device, self.padding)
         return concat_examples(batch, device, self.padding)
 
 
-def _holds_text(example) -> bool:
-    """Whether an example (a dict, a tuple or one value) has a ``str`` or ``bytes`` value."""
-    values = (example.values() if isinstance(example, dict)
-              else example if isinstance(example, tuple) else (example,))
-    return any(isinstance(value, (str, bytes)) for value in values)
+def _needs_columns(examples, padding) -> bool:
+    """Whether ``examples`` go through columns rather than ``concat_examples``.
+
+    Args:
+        examples: Dicts, tuples or single values (not empty).
+        padding: The converter's padding: without it, arrays of different
+            shapes in a field need columns too.
+
+    Returns:
+        ``True`` when a field holds ``str`` or ``bytes``, or, without
+        ``padding``, arrays of different shapes; also for examples of
+        different forms or fields, which
+        :meth:`ColumnarBatch.from_examples` then refuses with a message.
+    """
+    first = examples[0]
+    if type(first) is dict:
+        if any(type(example) is not dict or example.keys() != first.keys()
+               for example in examples):
+            return True
+        fields = [[example[key] for example in examples] for key in first]
+    elif type(first) is tuple:
+        if any(type(example) is not tuple or len(example) != len(first)
+               for example in examples):
+            return True
+        fields = [list(values) for values in zip(*examples)]
+    else:
+        fields = [examples]
+    for values in fields:
+        if any(isinstance(value, (str, bytes)) for value in values):
+            return True
+        head = values[0]
+        if padding is None and isinstance(head, numpy.ndarray) and any(
+                not isinstance(value, numpy.ndarray) or value.shape != head.shape
+                for value in values):
+            return True
+    return False
 
 
 #: The converter for columnar batches (see :class:`ColumnConverter`).

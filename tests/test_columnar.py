@@ -163,6 +163,50 @@ def test_the_converter_makes_columns_of_rows_with_text():
     # Without text, still concat_examples (a plain list of arrays too).
     np.testing.assert_array_equal(concat_columns([np.arange(2), np.arange(2)]),
                                   [[0, 1], [0, 1]])
+    # 1-D arrays of different lengths, which concat_examples cannot stack
+    # either: a list column, as the columnar path gives it.
+    ragged = [{'n': i, 'tokens': np.arange(i, dtype=np.int32)} for i in range(3)]
+    with pytest.raises(ValueError):
+        chainer.dataset.concat_examples(ragged)
+    got = concat_columns(ragged)
+    assert isinstance(got['tokens'], VarColumn) and got['tokens'].kind == 'list'
+    assert [list(value) for value in got['tokens']] == [[], [0], [0, 1]]
+    # Empty rows all: a 2-D array of width 0, as concat_examples gives.
+    empty = ColumnarBatch({'t': VarColumn.from_values(
+        [np.zeros(0, np.int32)] * 2, 'list')}, 'single')
+    assert concat_columns(empty).shape == (2, 0)
+    # Offsets that start past the values' first (a column cut out of a
+    # longer one), stacked and padded.
+    cut = VarColumn(np.array([2, 4, 6], np.int64), np.arange(8, dtype=np.int16), 'list')
+    stacked = concat_columns(ColumnarBatch({'t': cut}, 'single'))
+    np.testing.assert_array_equal(stacked, [[2, 3], [4, 5]])
+    assert stacked.dtype == np.int16
+    ragged_cut = VarColumn(np.array([2, 3, 6], np.int64), np.arange(8), 'list')
+    np.testing.assert_array_equal(
+        ColumnConverter(padding=-1)(ColumnarBatch({'t': ragged_cut}, 'single')),
+        [[2, -1, -1], [3, 4, 5]])
+    # Dict fields are matched by key, whatever their order in each example.
+    reordered = [{'a': np.arange(2), 'b': np.arange(3)},
+                 {'b': np.arange(2), 'a': np.arange(3)}]
+    got = concat_columns(reordered)
+    assert [list(value) for value in got['a']] == [[0, 1], [0, 1, 2]]
+    assert [list(value) for value in got['b']] == [[0, 1, 2], [0, 1]]
+
+
+def test_the_converter_with_padding_gives_rows_and_columns_alike():
+    rows = [{'s': 'ab', 't': np.arange(i + 1, dtype=np.int32)} for i in range(3)]
+    converter = ColumnConverter(padding=-1)
+    from_rows = converter(rows)
+    from_columns = converter(ColumnarBatch.from_examples(rows))
+    expected = [[0, -1, -1], [0, 1, -1], [0, 1, 2]]
+    for got in (from_rows, from_columns):
+        np.testing.assert_array_equal(got['t'], expected)
+        assert got['t'].dtype == np.int32
+        assert isinstance(got['s'], VarColumn) and list(got['s']) == ['ab'] * 3
+    # Without text, concat_examples pads, also arrays of more dimensions.
+    images = [np.zeros((1, 2)), np.ones((2, 1))]
+    np.testing.assert_array_equal(converter(images),
+                                  chainer.dataset.concat_examples(images, padding=-1))
 
 
 def test_columns_cross_a_shared_buffer_and_come_back_equal():

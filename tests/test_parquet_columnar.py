@@ -19,7 +19,12 @@ from PIL import Image
 
 import helpers
 from chainer_prefetch import ExampleLoadError, PrefetchMultiprocessIterator
-from chainer_prefetch.columnar import ColumnarBatch, VarColumn, concat_columns
+from chainer_prefetch.columnar import (
+    ColumnarBatch,
+    ColumnConverter,
+    VarColumn,
+    concat_columns,
+)
 from chainer_prefetch.datasets import (
     ParquetDataset,
     ParquetFileError,
@@ -88,6 +93,21 @@ def test_a_batch_across_row_groups_with_nulls_in_some_only(tmp_path):
     assert batch[1]['text'] is None and batch[3]['count'] is None
 
 
+def _first_batches(path):
+    """The first batch of 6 rows of the file ``path`` on each path: ``{columnar: batch}``."""
+    dataset = ParquetDataset(path)
+    sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes, window=3)
+    batches = {}
+    for columnar in (False, True):
+        iterator = PrefetchMultiprocessIterator(
+            dataset, 6, n_processes=1, order_sampler=sampler, columnar=columnar)
+        try:
+            batches[columnar] = iterator.next()
+        finally:
+            iterator.finalize()
+    return batches
+
+
 @pytest.mark.timeout(120)
 def test_numbers_keep_their_column_dtype_through_chainer_converters(tmp_path):
     # Chainer's float32 links refuse float64: a float32 column must reach the
@@ -104,15 +124,8 @@ def test_numbers_keep_their_column_dtype_through_chainer_converters(tmp_path):
     dtypes = {'x': np.float32, 'y': np.float32, 'label': np.int32,
               'flag': np.bool_, 'half': np.float16}
     assert type(dataset[5]['x']) is np.float32 and dataset[5]['x'] == 1.25
-    sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes, window=3)
     link = chainer.links.Linear(2, 3)
-    for columnar in (False, True):
-        iterator = PrefetchMultiprocessIterator(
-            dataset, 6, n_processes=1, order_sampler=sampler, columnar=columnar)
-        try:
-            batch = iterator.next()
-        finally:
-            iterator.finalize()
+    for columnar, batch in _first_batches(path).items():
         for converter in (chainer.dataset.concat_examples, concat_columns):
             arrays = converter(batch)
             assert {name: array.dtype for name, array in arrays.items()} == {
@@ -120,6 +133,38 @@ def test_numbers_keep_their_column_dtype_through_chainer_converters(tmp_path):
                 columnar, converter)
             features = np.stack([arrays['x'], arrays['y']], axis=1)
             assert link(features).dtype == np.float32
+
+
+@pytest.mark.timeout(120)
+def test_list_columns_reach_the_model_alike_on_both_paths(tmp_path):
+    # A list column whose rows have one length is the 2-D array
+    # concat_examples stacks, from either path; of different lengths, a
+    # VarColumn (concat_examples cannot stack it), or padded as
+    # concat_examples pads it.
+    path = str(tmp_path / 'lists.parquet')
+    ragged = [list(range(i % 3)) for i in range(12)]
+    pyarrow.parquet.write_table(pyarrow.table({
+        'features': pyarrow.array([[i, i + 0.5, i + 1, i + 1.5] for i in range(12)],
+                                  pyarrow.list_(pyarrow.float32())),
+        'tokens': pyarrow.array(ragged, pyarrow.list_(pyarrow.int32())),
+    }), path, row_group_size=4)
+    padded_converter = ColumnConverter(padding=-1)
+    for columnar, batch in _first_batches(path).items():
+        rows = list(batch)
+        arrays = concat_columns(batch)
+        features = chainer.dataset.concat_examples(
+            [{'features': row['features']} for row in rows])['features']
+        assert features.shape == (6, 4) and features.dtype == np.float32
+        np.testing.assert_array_equal(arrays['features'], features)
+        assert arrays['features'].dtype == np.float32, columnar
+        assert isinstance(arrays['tokens'], VarColumn), columnar
+        assert [list(value) for value in arrays['tokens']] == [
+            list(row['tokens']) for row in rows]
+        padded = padded_converter(batch)
+        expected = chainer.dataset.concat_examples(rows, padding=-1)
+        for name in ('features', 'tokens'):
+            np.testing.assert_array_equal(padded[name], expected[name])
+            assert padded[name].dtype == expected[name].dtype, (columnar, name)
 
 
 def _decode(example):
@@ -345,6 +390,8 @@ def test_a_corrupt_row_group_is_named(shop, tmp_path, local, loader_threads):
     assert isinstance(raised.value, ExampleLoadError)
     assert 'row group 2 of ' + victim in str(raised.value)
     assert 60 <= raised.value.index < 70
+    # The example's files are known without staging too.
+    assert victim + ' (row group 2)' in raised.value.files, raised.value.files
 
 
 def _fails_on_row_17(example):

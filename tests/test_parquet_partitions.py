@@ -66,7 +66,7 @@ def test_types_can_be_given_and_a_bad_value_is_named(table):
     dataset = ParquetDataset(table, partition_types={'year': pyarrow.int16()})
     assert dataset.column_types['year'] == pyarrow.int16()
     assert dataset[0]['year'] in (2020, 2021)
-    with pytest.raises(ParquetSchemaError, match="country='KR'.*is not a int64"):
+    with pytest.raises(ParquetSchemaError, match="country='KR'.*is not of type int64"):
         ParquetDataset(table, partition_types={'country': pyarrow.int64()})
     with pytest.raises(ParquetSchemaError, match='types given for month'):
         ParquetDataset(table, partition_types={'month': pyarrow.int8()})
@@ -94,6 +94,36 @@ def test_partition_directories_that_differ_are_named(table):
         ParquetDataset(table)
     assert odd in str(raised.value)
     assert 'year=.../country=...' in str(raised.value)
+
+
+def test_the_base_of_the_partitions_is_the_directory_given_or_partition_base(table):
+    # Files of one partition only, found by a glob: their deepest common
+    # directory is year=2021, so year is not a column, as Spark reading
+    # that directory gives; partition_base (Spark's basePath) keeps it.
+    one_year = os.path.join(table, 'year=2021', '*', '*.parquet')
+    assert ParquetDataset(one_year).columns == ('id', 'value', 'country')
+    dataset = ParquetDataset(one_year, partition_base=table)
+    assert dataset.columns == ('id', 'value', 'year', 'country')
+    assert sorted({dataset[i]['year'] for i in range(len(dataset))}) == [2021]
+    assert ParquetDataset(os.path.join(table, 'year=2021')).columns == (
+        'id', 'value', 'country')
+    # A glob across partitions reaches down from their common directory.
+    both = ParquetDataset(os.path.join(table, '*', 'country=KR', '*.parquet'))
+    assert both.columns == ('id', 'value', 'year', 'country')
+    with pytest.raises(ValueError, match='partition_base .* does not hold .*'
+                       'year=2021'):
+        ParquetDataset(one_year, partition_base=os.path.join(table, 'year=2020'))
+    with pytest.raises(ValueError, match='is not a directory'):
+        ParquetDataset(one_year, partition_base=os.path.join(table, 'nowhere'))
+    with pytest.raises(ValueError, match='partitioning is None'):
+        ParquetDataset(one_year, partition_base=table, partitioning=None)
+    # The base may be spelled otherwise than the files' paths (a link).
+    link = table + '-link'
+    os.symlink(table, link)
+    linked = ParquetDataset(os.path.join(link, 'year=2021', '*', '*.parquet'),
+                            partition_base=table)
+    assert linked.columns == ('id', 'value', 'year', 'country')
+    assert [linked[i]['year'] for i in range(len(linked))] == [2021] * len(linked)
 
 
 def test_a_partition_named_like_a_column_is_refused(tmp_path):

@@ -452,8 +452,8 @@ def decode_memory_pool() -> Optional[pyarrow.MemoryPool]:
     virtual machine) that took 1.5-1.7 s of kernel time in runs of 1,000
     batches at 48-53 thousand rows/s, against 0.4-0.7 s and 111-133
     thousand rows/s with the row groups decoded into the C library's pool
-    or jemalloc's (``docs/parquet.rst``, "The memory row groups are
-    decoded into").  So they are decoded into the C library's
+    or jemalloc's (``docs/parquet_measurements.rst``, "The memory row
+    groups are decoded into").  So they are decoded into the C library's
     (``malloc``).  Not jemalloc's: it starts background threads, and a
     process decoding into it under an address-space limit (``ulimit -v``,
     as some batch systems set) printed that it could not create them and,
@@ -889,6 +889,12 @@ class ParquetDataset(DatasetMixin):
             ``None`` ignores them.
         partition_types: Arrow types of partition columns, by name, instead
             of inferring them.
+        partition_base: The directory below which ``key=value`` directories
+            become columns (Spark's ``basePath``).  By default ``paths``
+            itself when it is one directory, else the deepest directory
+            that holds every file found: give it when a glob or a list of
+            files may all lie in one partition (``root/year=2024/*``), so
+            that ``year`` stays a column.
 
     ``get_columns(indices)`` reads many rows at once as columns (vectorised
     takes from each row group); :class:`~chainer_prefetch.PrefetchMultiprocessIterator`
@@ -909,19 +915,22 @@ class ParquetDataset(DatasetMixin):
                  cache_row_groups: int = 4,
                  batch_transform: Optional[Callable[[ColumnarBatch], Any]] = None,
                  partitioning: Optional[str] = 'hive',
-                 partition_types: Optional[Dict[str, pyarrow.DataType]] = None):
+                 partition_types: Optional[Dict[str, pyarrow.DataType]] = None,
+                 partition_base: Optional[Union[str, os.PathLike]] = None):
         self.files = find_parquet_files(paths)
         if not self.files:
             raise ParquetFileError('no Parquet files in {}'.format(paths))
         if partitioning not in ('hive', None):
             raise ValueError("partitioning must be 'hive' or None, got {!r}"
                              .format(partitioning))
+        if partition_base is not None and partitioning is None:
+            raise ValueError('partition_base is given but partitioning is None')
         self._metadata = map_in_threads(_read_metadata, self.files,
                                         FOOTER_THREADS, 'footer')
         self.file_schema = _common_schema(self.files, self._metadata)
         self.partitions = (discover_partitions(
-            self.files, base_directory(paths, self.files), partition_types)
-            if partitioning else Partitions((), (), []))
+            self.files, base_directory(paths, self.files, partition_base),
+            partition_types) if partitioning else Partitions((), (), []))
         clashing = set(self.partitions.names) & set(self.file_schema.names)
         if clashing:
             raise ParquetSchemaError(

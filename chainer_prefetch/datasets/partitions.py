@@ -60,22 +60,53 @@ class Partitions:
         return as_numpy_scalar(self.values[file_index][column], self.types[column])
 
 
-def base_directory(paths, files: Sequence[str]) -> Optional[str]:
+def base_directory(paths, files: Sequence[str], given=None) -> Optional[str]:
     """The directory partition keys are read below.
 
     Args:
         paths: What the user passed (a path or a list of them).
-        files: The files found.
+        files: The files found (absolute paths).
+        given: The directory the user named for it (``partition_base``,
+            as Spark's ``basePath``), or ``None``.
 
     Returns:
-        ``paths`` itself when it is one directory; else the deepest
-        directory that holds every file; ``None`` without files.
+        ``given`` when given; else ``paths`` itself when it is one
+        directory; else the deepest directory that holds every file;
+        ``None`` without files.
+
+    Raises:
+        ValueError: ``given`` is not a directory, or does not hold a file
+            (the first such file is named).
     """
+    if given is not None:
+        base = os.path.abspath(os.fspath(given))
+        if not os.path.isdir(base):
+            raise ValueError('partition_base {} is not a directory'.format(base))
+        if files:  # spelled as the files are (symbolic links)
+            base = _directory_above(files[0], base) or base
+        outside = [path for path in files
+                   if os.path.commonpath([base, os.path.abspath(path)]) != base]
+        if outside:
+            raise ValueError('partition_base {} does not hold {}'.format(
+                base, outside[0]))
+        return base
     if isinstance(paths, (str, os.PathLike)) and os.path.isdir(paths):
         return os.path.abspath(os.fspath(paths))
     if not files:
         return None
     return os.path.commonpath([os.path.dirname(path) for path in files])
+
+
+def _directory_above(path: str, directory: str) -> Optional[str]:
+    """The directory above ``path`` that is ``directory``, as ``path`` spells it, or ``None``."""
+    above = os.path.dirname(os.path.abspath(path))
+    while True:
+        if os.path.samefile(above, directory):
+            return above
+        parent = os.path.dirname(above)
+        if parent == above:
+            return None
+        above = parent
 
 
 def discover_partitions(files: Sequence[str], base: Optional[str],
@@ -167,7 +198,7 @@ def _convert(value: Optional[str], data_type: pyarrow.DataType, key: str,
     try:
         return pyarrow.scalar(value).cast(data_type).as_py()
     except (pyarrow.ArrowInvalid, pyarrow.ArrowNotImplementedError) as error:
-        raise ParquetSchemaError('partition value {}={!r} of {} is not a {}: {}'
+        raise ParquetSchemaError('partition value {}={!r} of {} is not of type {}: {}'
                                  .format(key, value, path, data_type, error)
                                  ) from error
 

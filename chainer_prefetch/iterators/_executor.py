@@ -51,6 +51,7 @@ from chainer_prefetch.iterators import _columnar_worker, _worker
 from chainer_prefetch.iterators import _scheduler as s
 from chainer_prefetch.iterators._loader_threads import LoaderThreads
 from chainer_prefetch.iterators._worker_pool import TASKS_PER_WORKER, WorkerPool
+from chainer_prefetch.staging.dataset_files import resolve_dataset_files
 from chainer_prefetch.staging.piece_reads import PieceReaders
 from chainer_prefetch.staging.sources import ReadAhead, Source, as_source, using_reads_ahead
 
@@ -574,6 +575,9 @@ class Executor:
         self._scheduler = scheduler
         self._store = store
         self._files = dataset_files
+        # The files named in load errors: the staged ones, or, without
+        # staging, those the dataset reads, looked up on the first error.
+        self._named_files = dataset_files
         self._located_dataset = located_dataset
         self._stop_event = stop_event
         self.mailbox = Mailbox()
@@ -796,12 +800,14 @@ class Executor:
 
     def _load_error(self, index, error, remote_traceback):
         files = ()
-        if self._files is not None:
-            try:
+        try:
+            if self._named_files is None:
+                self._named_files = resolve_dataset_files(self._settings.dataset)
+            if self._named_files is not None:
                 files = tuple(as_source(named).describe()
-                              for named in self._files.files(index))
-            except Exception:
-                pass
+                              for named in self._named_files.files(index))
+        except Exception:  # (the error is reported without them)
+            pass
         if isinstance(error, WorkerDiedError):
             return WorkerDiedError(
                 'example {} (files: {}) could not be loaded: a loader process '

@@ -150,6 +150,9 @@ def main(argv=None):
     args = parse_args(argv)
     if args.make_data:
         make_data(args.data, args.rows, args.row_group_rows, args.seed)
+        print('wrote {} rows in {} files under {} (region=<r>/part-00000.parquet, '
+              'row groups of {} rows)'.format(args.rows, N_REGIONS, args.data,
+                                              args.row_group_rows))
         return 0
     comm = chainermn.create_communicator('naive')
     dataset = ParquetDataset(args.data, columns=['id', 'x', 'label', 'region'],
