@@ -141,7 +141,7 @@ PEERS = {'ours-local': 'petastorm', 'ours-shared': 'petastorm-shared',
 #: training loop; 1, Chainer's default.  4 saved about 40% of a run's thread
 #: switches with loader threads, but gave 0.89x / 0.97x / 1.01x the rows/s
 #: of ``ours-memory`` at 1 / 2 / 4 workers (``results/parquet/prefetch``,
-#: medians of 5; ``docs/parquet.rst``, "Batches kept ready").
+#: medians of 5; ``docs/parquet_measurements.rst``, "Batches kept ready").
 PREFETCH = 1
 
 #: ``--arrow-memory``: environment of a run for Arrow's memory allocators.
@@ -1030,7 +1030,8 @@ def main(argv=None) -> int:
         print('note: this virtual machine hands freed memory back to its host '
               '(virtio-balloon free page reporting): memory taken afresh costs '
               'more after runs that freed a lot, so a run depends on the runs '
-              'before it (docs/parquet.rst, "Memory handed back to the host")',
+              'before it (docs/parquet_measurements.rst, "Memory handed back '
+              'to the host")',
               flush=True)
     files = sorted(glob.glob(os.path.join(dataset_dir, '*.parquet')))
     backends = compare_backends(files[:2] if len(files) > 2 else files)
