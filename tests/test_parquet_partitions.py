@@ -6,8 +6,13 @@ import pyarrow
 import pyarrow.parquet
 import pytest
 
-from chainer_prefetch.columnar import VarColumn
-from chainer_prefetch.datasets import ParquetDataset, ParquetSchemaError
+from chainer_prefetch import PrefetchMultiprocessIterator
+from chainer_prefetch.columnar import VarColumn, concat_columns
+from chainer_prefetch.datasets import (
+    ParquetDataset,
+    ParquetSchemaError,
+    RowGroupWindowOrderSampler,
+)
 
 
 def _write(root, relative, ids, extra=None):
@@ -85,6 +90,42 @@ def test_schema_drift_across_partitions_names_both_files(table):
     assert drifted in message
     assert os.path.join(table, 'year=2020', 'country=KR', 'part-0.parquet') in message
     assert 'colour' in message
+
+
+@pytest.mark.timeout(120)
+def test_only_the_columns_selected_must_agree_across_files(table, tmp_path):
+    # Schema evolution: a later partition has one more column, and another
+    # column of another type; the columns every file has alike are read.
+    later = _write(table, 'year=2022/country=KR/part-0.parquet', [9, 10], extra={
+        'colour': pyarrow.array(['red', 'blue'])})
+    other = os.path.join(table, 'year=2022', 'country=US', 'part-0.parquet')
+    os.makedirs(os.path.dirname(other))
+    pyarrow.parquet.write_table(pyarrow.table({
+        'id': pyarrow.array([11], pyarrow.int64()),
+        'value': pyarrow.array([5.5], pyarrow.float64())}), other)
+    with pytest.raises(ParquetSchemaError, match='select them with columns='):
+        ParquetDataset(table)
+    dataset = ParquetDataset(table, columns=['id', 'year'])
+    assert sorted(dataset[i]['id'] for i in range(len(dataset))) == list(range(12))
+    sampler = RowGroupWindowOrderSampler(dataset.row_group_sizes, window=2)
+    iterator = PrefetchMultiprocessIterator(
+        dataset, 4, n_processes=1, order_sampler=sampler, repeat=False,
+        local_dir=str(tmp_path / 'local'))
+    try:
+        ids = [int(i) for batch in iterator for i in concat_columns(batch)['id']]
+    finally:
+        iterator.finalize()
+    assert sorted(ids) == list(range(12))
+    # A selected column of another type in one file is named with both files.
+    with pytest.raises(ParquetSchemaError) as raised:
+        ParquetDataset(table, columns=['id', 'value'])
+    message = str(raised.value)
+    assert 'value: float' in message and 'value: double' in message
+    assert other in message
+    # A selected column that the first file has and another lacks.
+    with pytest.raises(ParquetSchemaError, match='colour: missing') as raised:
+        ParquetDataset([later, other], columns=['colour'])
+    assert other in str(raised.value)
 
 
 def test_partition_directories_that_differ_are_named(table):

@@ -866,7 +866,8 @@ class ParquetDataset(DatasetMixin):
         paths: Files, directories or glob patterns (see
             :func:`find_parquet_files`).
         columns: Columns to read, in this order; ``None`` for all (the
-            files' columns, then the partition columns).
+            files' columns, then the partition columns).  Only these must
+            have the same type in every file (all of them with ``None``).
         as_tuple: Return each example as a tuple in ``columns`` order instead
             of a dict.
         transform: Applied to each example (dict or tuple) before it is
@@ -904,8 +905,9 @@ class ParquetDataset(DatasetMixin):
 
     Raises:
         ParquetFileError: a file is missing, truncated or corrupt.
-        ParquetSchemaError: two files have different schemas or partition
-            directories, or a partition column has a file column's name.
+        ParquetSchemaError: two files differ in a selected column (in any
+            column without ``columns``) or in their partition directories,
+            or a partition column has a file column's name.
         ParquetColumnError: a requested column does not exist.
     """
 
@@ -927,7 +929,7 @@ class ParquetDataset(DatasetMixin):
             raise ValueError('partition_base is given but partitioning is None')
         self._metadata = map_in_threads(_read_metadata, self.files,
                                         FOOTER_THREADS, 'footer')
-        self.file_schema = _common_schema(self.files, self._metadata)
+        self.file_schema = _common_schema(self.files, self._metadata, columns)
         self.partitions = (discover_partitions(
             self.files, base_directory(paths, self.files, partition_base),
             partition_types) if partitioning else Partitions((), (), []))
@@ -1407,19 +1409,59 @@ def _read_metadata(path: str):
             path, error)) from error
 
 
-def _common_schema(files: List[str], metadata: List) -> pyarrow.Schema:
-    schemas = [item.schema.to_arrow_schema() for item in metadata]
-    first = schemas[0].remove_metadata()
+def _common_schema(files: List[str], metadata: List,
+                   columns: Optional[Sequence[str]] = None) -> pyarrow.Schema:
+    """The first file's schema, checked against every other file's.
+
+    With ``columns`` given, only those of them that the first file has must
+    be the same (name, type, nullability) in every file: files that a
+    table's schema evolution gave more columns, or other types in columns
+    not selected, are read alike.  Without, whole schemas must be equal.
+
+    Args:
+        files: The Parquet files.
+        metadata: Their footers, in the same order.
+        columns: The selected columns, or ``None`` for all.
+
+    Raises:
+        ParquetSchemaError: a file differs from the first (both named, with
+            what each has).
+    """
+    schemas = [item.schema.to_arrow_schema().remove_metadata() for item in metadata]
+    first = schemas[0]
+    if isinstance(columns, str):
+        columns = [columns]
+    selected = (None if columns is None
+                else [name for name in columns if name in first.names])
     for path, schema in zip(files[1:], schemas[1:]):
-        if not schema.remove_metadata().equals(first):
+        if selected is None:
+            if not schema.equals(first):
+                raise ParquetSchemaError(
+                    'schemas differ: {} has ({}) but {} has ({}); to read '
+                    'the columns they share, select them with columns='
+                    .format(files[0], _describe(first), path, _describe(schema)))
+            continue
+        differing = [name for name in selected if name not in schema.names
+                     or not schema.field(name).equals(first.field(name))]
+        if differing:
             raise ParquetSchemaError(
-                'schemas differ: {} has ({}) but {} has ({})'.format(
-                    files[0], _describe(first), path, _describe(schema)))
+                'schemas differ in the columns selected: {} has ({}) but {} '
+                'has ({})'.format(files[0], _describe(first, differing), path,
+                                  _describe(schema, differing)))
     return first
 
 
-def _describe(schema: pyarrow.Schema) -> str:
-    return ', '.join('{}: {}'.format(field.name, field.type) for field in schema)
+def _describe(schema: pyarrow.Schema, names: Optional[Sequence[str]] = None) -> str:
+    """``name: type`` of the fields ``names`` (default: all); ``missing`` for one it lacks."""
+    described = []
+    for name in (schema.names if names is None else names):
+        if name not in schema.names:
+            described.append('{}: missing'.format(name))
+            continue
+        field = schema.field(name)
+        described.append('{}: {}{}'.format(name, field.type,
+                                           '' if field.nullable else ' not null'))
+    return ', '.join(described)
 
 
 def _check_columns(schema: pyarrow.Schema,
