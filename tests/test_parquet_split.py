@@ -91,7 +91,7 @@ def test_each_rank_gets_whole_row_groups_padded_from_its_own(shop):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize('loaders', ['processes', 'threads'])
+@pytest.mark.parametrize('loaders', ['processes', 'threads', 'memory'])
 def test_the_tabular_example_under_mpiexec_two_ranks(tmp_path, loaders):
     data = str(tmp_path / 'table')
     output = helpers.run_mpi(
@@ -100,9 +100,13 @@ def test_the_tabular_example_under_mpiexec_two_ranks(tmp_path, loaders):
     record = str(tmp_path / 'record')
     command = [mpi_launch.mpiexec_path(), '--oversubscribe', '--bind-to', 'none',
                '-n', '2', sys.executable, EXAMPLE, data, '--epoch', '3',
-               '--batchsize', '50', '--local-dir', str(tmp_path / 'local'),
-               '--out', str(tmp_path / 'out'), '--record', record] + (
-                   ['--loader-threads'] if loaders == 'threads' else [])
+               '--batchsize', '50', '--out', str(tmp_path / 'out'),
+               '--record', record] + {
+                   'processes': ['--local-dir', str(tmp_path / 'local')],
+                   'threads': ['--local-dir', str(tmp_path / 'local'),
+                               '--loader-threads'],
+                   'memory': ['--local-dir', ':memory:', '--local-capacity', '64',
+                              '--loader-threads']}[loaders]
     output = helpers.run_mpi(command, str(tmp_path), 300)
     ranks = []
     for rank in range(2):

@@ -22,7 +22,9 @@ depends on the features and on the region.  Make it, then train::
         --local-dir /tmp/tabular-local --out /tmp/tabular-out
 
 ``--loader-threads`` cuts the batches on threads of each rank instead of in
-loader processes.
+loader processes; with it, ``--local-dir :memory: --local-capacity 256``
+keeps each rank's row groups decoded in memory (256 MB at most) instead
+of in local files.
 
 ``--record DIR`` writes, per rank, the row groups it was given and the ``id``
 of every row it trained on (the tests check the split with it).
@@ -137,8 +139,13 @@ def parse_args(argv):
     parser.add_argument('--window', type=int, default=2,
                         help='row groups shuffled together')
     parser.add_argument('--local-dir', default=None,
-                        help='node-local directory for row groups (default: '
-                        'read the files directly)')
+                        help='node-local directory for row groups, or :memory: '
+                        'with --loader-threads (default: read the files '
+                        'directly)')
+    parser.add_argument('--local-capacity', type=float, default=None,
+                        help='MB of row groups each rank keeps locally '
+                        '(required with --local-dir :memory:; default: no '
+                        'limit)')
     parser.add_argument('--out', default='result-tabular')
     parser.add_argument('--record', default=None,
                         help='write each rank\'s row groups and ids here')
@@ -170,6 +177,8 @@ def main(argv=None):
     train_iter = chainer_prefetch.PrefetchMultiprocessIterator(
         train, args.batchsize, n_processes=args.loaderjob,
         order_sampler=sampler, local_dir=args.local_dir,
+        local_capacity=(None if args.local_capacity is None
+                        else int(args.local_capacity * 2**20)),
         loader_threads=args.loader_threads)
     model = TabularClassifier()
     optimizer = chainermn.create_multi_node_optimizer(
