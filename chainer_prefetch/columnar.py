@@ -520,25 +520,12 @@ class ColumnarBatch(collections.abc.Sequence):
         Raises:
             ValueError: examples of different forms or fields.
         """
-        if len(examples) == 0:
-            raise ValueError('no examples to make a batch of')
-        first = examples[0]
-        if type(first) is dict:
-            form, names = 'dict', list(first)
-            if any(type(example) is not dict or example.keys() != first.keys()
-                   for example in examples):
-                raise ValueError('examples of a batch must be dicts with the '
-                                 'same keys')
-            fields = [[example[name] for example in examples] for name in names]
-        elif type(first) is tuple:
-            form, names = 'tuple', [str(i) for i in range(len(first))]
-            if any(type(example) is not tuple or len(example) != len(first)
-                   for example in examples):
-                raise ValueError('examples of a batch must be tuples of one '
-                                 'length')
-            fields = [list(values) for values in zip(*examples)]
-        else:
-            form, names, fields = 'single', ['0'], [list(examples)]
+        return cls._of_fields(*_fields_of(examples))
+
+    @classmethod
+    def _of_fields(cls, form: str, names: List[str],
+                   fields: List[list]) -> 'ColumnarBatch':
+        """The batch of the fields :func:`_fields_of` split examples into."""
         return cls({name: column_of_values(values)
                     for name, values in zip(names, fields)}, form)
 
@@ -559,6 +546,32 @@ class ColumnarBatch(collections.abc.Sequence):
         columns = {name: _concatenate([batch.columns[name] for batch in batches])
                    for name in first.names}
         return cls(columns, first.form)
+
+
+def _fields_of(examples: Sequence[Any]) -> Tuple[str, List[str], List[list]]:
+    """``(form, names, fields)`` of examples: the values of each field, by name.
+
+    Raises:
+        ValueError: no examples, or examples of different forms or fields.
+    """
+    if len(examples) == 0:
+        raise ValueError('no examples to make a batch of')
+    first = examples[0]
+    if type(first) is dict:
+        if any(type(example) is not dict or example.keys() != first.keys()
+               for example in examples):
+            raise ValueError('examples of a batch must be dicts with the '
+                             'same keys')
+        names = list(first)
+        return 'dict', names, [[example[name] for example in examples]
+                               for name in names]
+    if type(first) is tuple:
+        if any(type(example) is not tuple or len(example) != len(first)
+               for example in examples):
+            raise ValueError('examples of a batch must be tuples of one length')
+        return ('tuple', [str(i) for i in range(len(first))],
+                [list(values) for values in zip(*examples)])
+    return 'single', ['0'], [list(examples)]
 
 
 def column_of_values(values: List[Any]) -> Column:
@@ -684,38 +697,25 @@ class ColumnConverter(Converter):
     def __call__(self, batch, device=None):
         if isinstance(batch, ColumnarBatch):
             return batch.arrays(device, self.padding)
-        if len(batch) and _needs_columns(batch, self.padding):
-            return ColumnarBatch.from_examples(batch).arrays(device, self.padding)
+        if len(batch):
+            split = _fields_of(batch)  # (ValueError: mixed forms or fields)
+            if _needs_columns(split[2], self.padding):
+                return ColumnarBatch._of_fields(*split).arrays(device, self.padding)
         return concat_examples(batch, device, self.padding)
 
 
-def _needs_columns(examples, padding) -> bool:
-    """Whether ``examples`` go through columns rather than ``concat_examples``.
+def _needs_columns(fields: List[list], padding) -> bool:
+    """Whether examples go through columns rather than ``concat_examples``.
 
     Args:
-        examples: Dicts, tuples or single values (not empty).
+        fields: Their values, field by field (:func:`_fields_of`).
         padding: The converter's padding: without it, arrays of different
             shapes in a field need columns too.
 
     Returns:
         ``True`` when a field holds ``str`` or ``bytes``, or, without
-        ``padding``, arrays of different shapes; also for examples of
-        different forms or fields, which
-        :meth:`ColumnarBatch.from_examples` then refuses with a message.
+        ``padding``, arrays of different shapes.
     """
-    first = examples[0]
-    if type(first) is dict:
-        if any(type(example) is not dict or example.keys() != first.keys()
-               for example in examples):
-            return True
-        fields = [[example[key] for example in examples] for key in first]
-    elif type(first) is tuple:
-        if any(type(example) is not tuple or len(example) != len(first)
-               for example in examples):
-            return True
-        fields = [list(values) for values in zip(*examples)]
-    else:
-        fields = [examples]
     for values in fields:
         if any(isinstance(value, (str, bytes)) for value in values):
             return True

@@ -927,6 +927,8 @@ class ParquetDataset(DatasetMixin):
                              .format(partitioning))
         if partition_base is not None and partitioning is None:
             raise ValueError('partition_base is given but partitioning is None')
+        if isinstance(columns, str):  # one column
+            columns = [columns]
         self._metadata = map_in_threads(_read_metadata, self.files,
                                         FOOTER_THREADS, 'footer')
         self.file_schema = _common_schema(self.files, self._metadata, columns)
@@ -1429,8 +1431,6 @@ def _common_schema(files: List[str], metadata: List,
     """
     schemas = [item.schema.to_arrow_schema().remove_metadata() for item in metadata]
     first = schemas[0]
-    if isinstance(columns, str):
-        columns = [columns]
     selected = (None if columns is None
                 else [name for name in columns if name in first.names])
     for path, schema in zip(files[1:], schemas[1:]):
@@ -1469,8 +1469,6 @@ def _check_columns(schema: pyarrow.Schema,
     available = list(schema.names)
     if columns is None:
         return tuple(available)
-    if isinstance(columns, str):
-        columns = [columns]
     missing = [name for name in columns if name not in available]
     if missing:
         raise ParquetColumnError('no column {} in the Parquet files; available '
