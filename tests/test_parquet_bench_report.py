@@ -7,7 +7,13 @@ import sys
 import pytest
 
 from chainer_prefetch.staging import file_systems
-from chainer_prefetch_bench.parquet import bench, cpu_per_batch, read_cost, run_history
+from chainer_prefetch_bench.parquet import (
+    bench,
+    cpu_per_batch,
+    memory_breakdown,
+    read_cost,
+    run_history,
+)
 from chainer_prefetch_bench.testbed import machine, processes
 
 
@@ -329,6 +335,48 @@ def test_the_read_cost_table_gives_medians_and_ratios():
     assert lines[1].split() == ['read', '3.000', '0.000', '1.000', '0.600']
     assert lines[2].split() == ['populate', '1.500', '0.000', '1.000', '0.200']
     assert lines[3].split() == ['ratio', '0.50x', '0.00x', '1.00x', '0.33x']
+
+
+@pytest.mark.timeout(300)
+def test_the_memory_breakdown_runs_both_ways_at_both_lengths(tmp_path):
+    out = tmp_path / 'out'
+    # A threshold below zero trims at every sample, the one before the run
+    # included, so the trim runs trim however short they are.
+    assert memory_breakdown.main(_tiny_dataset(tmp_path) + [
+        '--batches', '2', '--growth', '3', '--workers', '2', '--trim-mb', '-1',
+        '--repeats', '1', '--out', str(out)]) == 0
+    runs = json.loads((out / 'memory_breakdown.json').read_text())['runs']
+    assert [(run['way'], run['rows']) for run in runs] == [
+        ('keep', 200), ('trim', 200), ('keep', 600), ('trim', 600)]
+    for run in runs:
+        assert (run['trims'] >= 2) == (run['way'] == 'trim')
+        at_peak = run['at_peak']
+        assert at_peak['pss'] == run['peak_pss_mb'] > 0
+        assert at_peak['anon'] + at_peak['file'] <= at_peak['pss'] + 1
+        assert 0 < run['peak_heap_used_mb'] <= run['peak_heap_mb']
+    lines = (out / 'table.txt').read_text().splitlines()
+    assert [line.split()[:2] for line in lines[3:]] == [
+        ['keep', '200'], ['trim', '200'], ['ratio', '200'],
+        ['keep', '600'], ['trim', '600'], ['ratio', '600']]
+
+
+def test_the_memory_breakdown_table_gives_medians_and_ratios():
+    def run(way, rows, rows_per_s, anon):
+        return {'way': way, 'rows': rows, 'rows_per_s': rows_per_s,
+                'peak_pss_mb': anon + 100.0,
+                'at_peak': {'anon': anon, 'file': 100.0},
+                'peak_heap_mb': 0.0, 'peak_heap_used_mb': 0.0,
+                'peak_heap_free_mb': 0.0, 'peak_pool_mb': 0.0,
+                'trims': 3 if way == 'trim' else 0}
+    runs = [run('keep', 10, speed, 500.0) for speed in (100.0, 300.0, 200.0)]
+    runs += [run('trim', 10, speed, 250.0) for speed in (50.0, 150.0, 100.0)]
+    runs += [run('keep', 100, 400.0, 900.0), run('trim', 100, 100.0, 300.0)]
+    lines = memory_breakdown.format_table(runs).splitlines()
+    assert 'medians of 3 runs' in lines[0]
+    assert lines[1].split()[:5] == ['keep', '10', '200', '600', '500']
+    assert lines[3].split()[:6] == ['ratio', '10', '0.50x', '0.58x', '0.50x', '1.00x']
+    assert lines[6].split()[:5] == ['ratio', '100', '0.25x', '0.40x', '0.33x']
+    assert lines[6].split()[-1] == '-'  # no trims kept: no ratio
 
 
 def _skip_unless_node_local(path):

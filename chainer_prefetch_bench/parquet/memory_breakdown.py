@@ -1,0 +1,230 @@
+"""Where the memory of row groups kept in memory goes, and what handing it back costs.
+
+``ours-memory`` (``local_dir=':memory:'``, loader threads) keeps its row
+groups decoded in the training process, in the C library's ``malloc``
+(``parquet.decode_memory_pool``).  Its peak PSS grows with the rows read
+although the row groups kept stay under ``local_capacity``.  This runs it as
+the Parquet benchmark does (same dataset, columns, order and capacity) and
+samples, inside the run's process every 0.1 s, the process's PSS split into
+anonymous and file-backed pages, the C library's heap (``mallinfo2``: bytes
+in use and bytes freed but kept), and the bytes Arrow's decode pool holds.
+
+Two ways run side by side: ``keep`` (the product as it is) and ``trim``,
+where the sampling thread calls ``malloc_trim(0)`` whenever a sample finds
+the heap's freed bytes above ``--trim-mb``, handing them back to the kernel
+(as an allocator that does not keep freed memory would).  Each runs at the benchmark's
+1,000 batches and at ``--growth`` times as many, every run in a fresh
+process with the dataset's page cache dropped, alternating::
+
+    python -m chainer_prefetch_bench.parquet.memory_breakdown \\
+        --out results/parquet/memory_breakdown
+
+Needs the GNU C library (``mallinfo2``, glibc 2.33).
+"""
+import argparse
+import ctypes
+import itertools
+import statistics
+import sys
+import threading
+import time
+from typing import Dict, List
+
+from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
+from chainer_prefetch_bench.testbed.processes import answer_child, run_in_child, run_order
+from chainer_prefetch_bench.testbed.report import write_results
+
+#: The ways compared: the C library keeping freed memory, or made to hand it back.
+WAYS = ('keep', 'trim')
+#: Seconds between samples.
+SAMPLE_SECONDS = 0.1
+MB = 2 ** 20
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        'arena', 'ordblks', 'smblks', 'hblks', 'hblkhd', 'usmblks', 'fsmblks',
+        'uordblks', 'fordblks', 'keepcost')]
+
+
+def _glibc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None)
+    try:
+        libc.mallinfo2.restype = _MallInfo2
+    except AttributeError:
+        raise RuntimeError('memory_breakdown needs the GNU C library 2.33 or '
+                           'newer (mallinfo2)') from None
+    return libc
+
+
+def _process_pss() -> Dict[str, int]:
+    """This process's ``Pss``, ``Pss_Anon`` and ``Pss_File`` in bytes."""
+    wanted = {'Pss': 'pss', 'Pss_Anon': 'anon', 'Pss_File': 'file'}
+    found = {}
+    with open('/proc/self/smaps_rollup') as rollup:
+        for line in rollup:
+            name, _, value = line.partition(':')
+            if name in wanted:
+                found[wanted[name]] = int(value.split()[0]) * 1024
+    return found
+
+
+def sample(libc: ctypes.CDLL, pool) -> Dict[str, float]:
+    """One sample of this process's memory, in MB.
+
+    Args:
+        libc: The C library (:func:`_glibc`).
+        pool: Arrow's decode pool (its ``bytes_allocated``).
+    """
+    heap = libc.mallinfo2()
+    pss = _process_pss()
+    return {'pss': pss['pss'] / MB, 'anon': pss['anon'] / MB,
+            'file': pss['file'] / MB,
+            'heap': (heap.arena + heap.hblkhd) / MB,
+            'heap_used': (heap.uordblks + heap.hblkhd) / MB,
+            'heap_free': heap.fordblks / MB,
+            'pool': pool.bytes_allocated() / MB}
+
+
+def run_one(config: Dict) -> Dict:
+    """One ``ours-memory`` run of the Parquet benchmark, sampled; returns the peaks.
+
+    Args:
+        config: ``way`` (one of :data:`WAYS`), ``trim_mb``, and the Parquet
+            benchmark's run configuration (``bench.run_config``) under ``run``.
+    """
+    import pyarrow
+
+    from chainer_prefetch.datasets import parquet
+    from chainer_prefetch_bench.parquet import bench
+    libc = _glibc()
+    pool = parquet.decode_memory_pool() or pyarrow.default_memory_pool()
+    samples, trims = [], []
+
+    def observe():
+        samples.append(sample(libc, pool))
+        if config['way'] == 'trim' and samples[-1]['heap_free'] > config['trim_mb']:
+            libc.malloc_trim(0)
+            trims.append(time.monotonic())
+
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(SAMPLE_SECONDS):
+            observe()
+
+    observe()
+    watcher = threading.Thread(target=watch, name='memory-breakdown', daemon=True)
+    watcher.start()
+    try:
+        result = bench.run_one(config['run'])
+    finally:
+        done.set()
+        watcher.join()
+    observe()  # after finalize: what the process keeps
+    during = samples[:-1]
+    peak = max(during, key=lambda one: one['pss'])
+    return {'way': config['way'], 'trim_mb': config['trim_mb'],
+            'rows': result['rows'], 'rows_per_s': result['rows_per_s'],
+            'cpu_s': result['cpu_s'], 'trims': len(trims),
+            'peak_pss_mb': round(peak['pss'], 1),
+            'at_peak': {name: round(value, 1) for name, value in peak.items()},
+            'peak_heap_mb': round(max(one['heap'] for one in during), 1),
+            'peak_heap_used_mb': round(max(one['heap_used'] for one in during), 1),
+            'peak_heap_free_mb': round(max(one['heap_free'] for one in during), 1),
+            'peak_pool_mb': round(max(one['pool'] for one in during), 1),
+            'after_finalize': {name: round(value, 1)
+                               for name, value in samples[-1].items()}}
+
+
+#: The table's columns: heading, and the value of a run.
+COLUMNS = (
+    ('rows/s', lambda run: run['rows_per_s']),
+    ('PSS MB', lambda run: run['peak_pss_mb']),
+    ('anon', lambda run: run['at_peak']['anon']),
+    ('file', lambda run: run['at_peak']['file']),
+    ('heap MB', lambda run: run['peak_heap_mb']),
+    ('in use', lambda run: run['peak_heap_used_mb']),
+    ('freed', lambda run: run['peak_heap_free_mb']),
+    ('pool', lambda run: run['peak_pool_mb']),
+    ('trims', lambda run: run['trims']),
+)
+
+
+def format_table(runs: List[Dict]) -> str:
+    """Medians of each way's runs at each count of rows, and ``trim`` over ``keep``.
+
+    Peaks while the run lasts (the iterator not yet finalized): ``PSS MB``,
+    the process's, split at that moment into ``anon`` (anonymous memory:
+    the heap's resident pages, Python's, the batches') and ``file`` (the
+    Parquet files' pages mapped while they are read ahead); ``heap MB``,
+    the C library's heap (address space: the pages a trim hands back stay
+    in it), of which ``in use`` is allocated and ``freed`` kept for reuse;
+    ``pool``, the bytes Arrow's decode pool holds (the kept row groups and
+    those being decoded).
+
+    Args:
+        runs: What :func:`run_one` returned, every repeat.
+    """
+    counts = sorted({run['rows'] for run in runs})
+    lines = ['{:<6} {:>9}'.format('way', 'rows') + ''.join(
+        '{:>9}'.format(heading) for heading, _ in COLUMNS)
+        + '  (medians of {} runs)'.format(sum(
+            (run['way'], run['rows']) == (WAYS[0], counts[0]) for run in runs))]
+    for rows in counts:
+        medians = {way: [statistics.median(value(run) for run in runs
+                                           if (run['way'], run['rows']) == (way, rows))
+                         for _, value in COLUMNS] for way in WAYS}
+        for way in WAYS:
+            lines.append('{:<6} {:>9}'.format(way, rows) + ''.join(
+                '{:>9.0f}'.format(value) for value in medians[way]))
+        lines.append('{:<6} {:>9}'.format('ratio', rows) + ''.join(
+            '{:>8.2f}x'.format(trim / keep) if keep else '{:>9}'.format('-')
+            for trim, keep in zip(medians['trim'], medians['keep'])))
+    return '\n'.join(lines)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if answer_child(argv, run_one):
+        return 0
+    from chainer_prefetch_bench.parquet import bench
+    _glibc()
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    bench.add_dataset_arguments(parser, rows=320000, files=8)
+    parser.add_argument('--batches', type=int, default=1000,
+                        help='batches of 100 of the shorter runs')
+    parser.add_argument('--growth', type=int, default=10,
+                        help='the longer runs read this many times the rows')
+    parser.add_argument('--workers', type=int, default=4, help='loader threads')
+    parser.add_argument('--trim-mb', type=float, default=256,
+                        help="trim's threshold: freed heap MB handed back")
+    parser.add_argument('--repeats', type=int, default=3)
+    parser.add_argument('--out', default=None,
+                        help='folder for memory_breakdown.json and table.txt')
+    args = parser.parse_args(argv)
+    dataset = bench.generated_dataset(args)
+    sizes = bench.row_group_sizes(dataset)
+    runs = []
+    for repeat in range(args.repeats):
+        for batches, way in run_order(itertools.product(
+                (args.batches, args.batches * args.growth), WAYS), repeat):
+            drop_page_cache(dataset)
+            run = run_in_child(__spec__.name, {
+                'way': way, 'trim_mb': args.trim_mb,
+                'run': bench.run_config('ours-memory', args.workers, dataset,
+                                        batches, '', sizes)}, timeout=1200)
+            runs.append(run)
+            print('{way:<5} {rows:>8} rows: {rows_per_s:9.0f} rows/s, peak PSS '
+                  '{peak_pss_mb:6.0f} MB, heap {peak_heap_mb:6.0f} MB (in use '
+                  '{peak_heap_used_mb:.0f}, freed {peak_heap_free_mb:.0f}), '
+                  '{trims} trims'.format(**run), flush=True)
+    table = format_table(runs)
+    print(table)
+    if args.out:
+        write_results(args.out, __spec__.name, argv, runs, table)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
