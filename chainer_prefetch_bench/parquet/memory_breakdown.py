@@ -12,9 +12,10 @@ in use and bytes freed but kept), and the bytes Arrow's decode pool holds.
 Two ways run side by side: ``keep`` (the product as it is) and ``trim``,
 where the sampling thread calls ``malloc_trim(0)`` whenever a sample finds
 the heap's freed bytes above ``--trim-mb``, handing them back to the kernel
-(as an allocator that does not keep freed memory would).  Each runs at the benchmark's
-1,000 batches and at ``--growth`` times as many, every run in a fresh
-process with the dataset's page cache dropped, alternating::
+(as an allocator that does not keep freed memory would).  Each runs at
+the benchmark's 1,000 batches and at ``--growth`` times as many, every run
+in a fresh process with the dataset's page cache dropped, alternating.
+Memory is in MB of 10^6 bytes, as the benchmark's tables give it::
 
     python -m chainer_prefetch_bench.parquet.memory_breakdown \\
         --out results/parquet/memory_breakdown
@@ -38,7 +39,7 @@ from chainer_prefetch_bench.testbed.report import write_results
 WAYS = ('keep', 'trim')
 #: Seconds between samples.
 SAMPLE_SECONDS = 0.1
-MB = 2 ** 20
+MB = 1e6
 
 
 class _MallInfo2(ctypes.Structure):
@@ -65,7 +66,7 @@ def _process_pss() -> Dict[str, int]:
         for line in rollup:
             name, _, value = line.partition(':')
             if name in wanted:
-                found[wanted[name]] = int(value.split()[0]) * 1024
+                found[wanted[name]] = int(value.split()[0]) * 1024  # (kB: KiB)
     return found
 
 
