@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -340,24 +341,86 @@ def test_the_read_cost_table_gives_medians_and_ratios():
 @pytest.mark.timeout(300)
 def test_the_memory_breakdown_runs_both_ways_at_both_lengths(tmp_path):
     out = tmp_path / 'out'
-    # A threshold below zero trims at every sample, the one before the run
-    # included, so the trim runs trim however short they are.
     assert memory_breakdown.main(_tiny_dataset(tmp_path) + [
-        '--batches', '2', '--growth', '3', '--workers', '2', '--trim-mb', '-1',
+        '--batches', '2', '--growth', '3', '--workers', '2',
         '--repeats', '1', '--out', str(out)]) == 0
     runs = json.loads((out / 'memory_breakdown.json').read_text())['runs']
     assert [(run['way'], run['rows']) for run in runs] == [
         ('keep', 200), ('trim', 200), ('keep', 600), ('trim', 600)]
     for run in runs:
-        assert (run['trims'] >= 2) == (run['way'] == 'trim')
+        # (trimmed after every sample but the one after finalize)
+        assert run['trims'] == (run['samples'] if run['way'] == 'trim' else 0)
         at_peak = run['at_peak']
-        assert at_peak['pss'] == run['peak_pss_mb'] > 0
         assert at_peak['anon'] + at_peak['file'] <= at_peak['pss'] + 1
         assert 0 < run['peak_heap_used_mb'] <= run['peak_heap_mb']
+        assert run['minor_faults'] > 0
     lines = (out / 'table.txt').read_text().splitlines()
     assert [line.split()[:2] for line in lines[3:]] == [
         ['keep', '200'], ['trim', '200'], ['ratio', '200'],
         ['keep', '600'], ['trim', '600'], ['ratio', '600']]
+
+
+class _FakeLibc:
+    def __init__(self):
+        self.trims = 0
+
+    def malloc_trim(self, pad):
+        self.trims += 1
+
+
+def test_the_sampler_trims_after_every_sample_while_the_run_lasts(monkeypatch):
+    monkeypatch.setattr(memory_breakdown, 'SAMPLE_SECONDS', 0.01)
+    monkeypatch.setattr(memory_breakdown, 'sample', lambda libc, pool: {'pss': 1.0})
+    libc = _FakeLibc()
+    with memory_breakdown.Sampler(libc, None, trim=True) as sampler:
+        time.sleep(0.2)
+    sampler.observe(may_trim=False)
+    assert len(sampler.samples) > 3
+    assert sampler.trims == libc.trims == len(sampler.samples) - 1
+    never = memory_breakdown.Sampler(libc, None)
+    never.observe()
+    assert never.trims == 0 and libc.trims == sampler.trims
+
+
+def test_the_run_peaks_leave_out_the_sample_after_finalize(monkeypatch):
+    from chainer_prefetch_bench.parquet import bench as bench_module
+    monkeypatch.setattr(memory_breakdown, 'SAMPLE_SECONDS', 0.01)
+    taken = []
+
+    def growing(libc, pool):  # every sample larger than the one before
+        taken.append(1)
+        return dict.fromkeys(('pss', 'anon', 'file', 'heap', 'heap_used',
+                              'heap_free', 'pool'), float(len(taken)))
+
+    monkeypatch.setattr(memory_breakdown, 'sample', growing)
+
+    def run(config):
+        time.sleep(0.2)  # several samples
+        return {'rows': 100, 'rows_per_s': 1.0, 'cpu_s': 0.1}
+
+    monkeypatch.setattr(bench_module, 'run_one', run)
+    result = memory_breakdown.run_one({'way': 'keep', 'run': {}})
+    assert result['samples'] > 2 and result['samples'] + 1 == len(taken)
+    assert result['after_finalize']['pss'] == len(taken)
+    for peak in ('peak_pss_mb', 'peak_heap_used_mb', 'peak_heap_free_mb', 'peak_pool_mb'):
+        assert result[peak] == len(taken) - 1, peak
+
+
+def test_an_error_of_the_sampling_thread_reaches_the_run(monkeypatch):
+    monkeypatch.setattr(memory_breakdown, 'SAMPLE_SECONDS', 0.01)
+    calls = []
+
+    def failing(libc, pool):
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError('smaps_rollup unreadable')
+        return {'heap_free': 0.0}
+
+    monkeypatch.setattr(memory_breakdown, 'sample', failing)
+    with pytest.raises(RuntimeError, match='sampling the memory failed') as caught:
+        with memory_breakdown.Sampler(_FakeLibc(), None):
+            time.sleep(0.2)
+    assert isinstance(caught.value.__cause__, OSError)
 
 
 def test_the_memory_breakdown_table_gives_medians_and_ratios():
@@ -367,16 +430,18 @@ def test_the_memory_breakdown_table_gives_medians_and_ratios():
                 'at_peak': {'anon': anon, 'file': 100.0},
                 'peak_heap_mb': 0.0, 'peak_heap_used_mb': 0.0,
                 'peak_heap_free_mb': 0.0, 'peak_pool_mb': 0.0,
-                'trims': 3 if way == 'trim' else 0}
+                'kernel_s': 0.5, 'minor_faults': 2000,
+                'trim_s': 0.25 if way == 'trim' else 0.0}
     runs = [run('keep', 10, speed, 500.0) for speed in (100.0, 300.0, 200.0)]
     runs += [run('trim', 10, speed, 250.0) for speed in (50.0, 150.0, 100.0)]
     runs += [run('keep', 100, 400.0, 900.0), run('trim', 100, 100.0, 300.0)]
     lines = memory_breakdown.format_table(runs).splitlines()
     assert 'medians of 3 runs' in lines[0]
     assert lines[1].split()[:5] == ['keep', '10', '200', '600', '500']
+    assert lines[1].split()[9:] == ['0.50', '2', '0.00']  # kernel s, faults k, trim s
     assert lines[3].split()[:6] == ['ratio', '10', '0.50x', '0.58x', '0.50x', '1.00x']
     assert lines[6].split()[:5] == ['ratio', '100', '0.25x', '0.40x', '0.33x']
-    assert lines[6].split()[-1] == '-'  # no trims kept: no ratio
+    assert lines[6].split()[-1] == '-'  # no time trimming kept: no ratio
 
 
 def _skip_unless_node_local(path):
