@@ -74,7 +74,7 @@ import numpy
 
 from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
 from chainer_prefetch_bench.testbed.processes import answer_child, run_in_child, run_order
-from chainer_prefetch_bench.testbed.report import write_results
+from chainer_prefetch_bench.testbed.report import show_results
 
 #: What is clocked: label -> (module, class or None for a function, name).
 CLOCKED = {
@@ -350,9 +350,7 @@ def main(argv=None) -> int:
                       's), {pace_ms:.2f} ms a batch between the others'.format(**run),
                       flush=True)
     table = format_table(runs)
-    print(table)
-    if args.out:
-        write_results(args.out, __spec__.name, argv, runs, table)
+    show_results(args.out, __spec__.name, argv, runs, table)
     return 0
 
 

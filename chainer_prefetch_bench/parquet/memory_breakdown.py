@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 
 from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
 from chainer_prefetch_bench.testbed.processes import answer_child, run_in_child, run_order
-from chainer_prefetch_bench.testbed.report import write_results
+from chainer_prefetch_bench.testbed.report import show_results
 
 #: The ways compared: the C library keeping freed memory, or made to hand it back.
 WAYS = ('keep', 'trim')
@@ -272,9 +272,7 @@ def main(argv=None) -> int:
                   '{peak_heap_used_mb:.0f}, freed {peak_heap_free_mb:.0f}), '
                   '{trims} trims'.format(**run), flush=True)
     table = format_table(runs)
-    print(table)
-    if args.out:
-        write_results(args.out, __spec__.name, argv, runs, table)
+    show_results(args.out, __spec__.name, argv, runs, table)
     return 0
 
 

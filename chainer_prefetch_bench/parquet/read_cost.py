@@ -34,7 +34,7 @@ from typing import Dict, List
 
 from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
 from chainer_prefetch_bench.testbed.processes import answer_child, run_in_child, run_order
-from chainer_prefetch_bench.testbed.report import write_results
+from chainer_prefetch_bench.testbed.report import show_results
 
 #: The ways compared: reading into a scratch buffer (the fallback), and
 #: faulting into the memory map (what the dataset does).
@@ -141,9 +141,7 @@ def main(argv=None) -> int:
                   '{read_s:.3f} s), user {user_s:.3f} s, kernel {kernel_s:.3f} s'
                   .format(**run), flush=True)
     table = format_table(runs)
-    print(table)
-    if args.out:
-        write_results(args.out, __spec__.name, argv, runs, table)
+    show_results(args.out, __spec__.name, argv, runs, table)
     return 0
 
 

@@ -33,7 +33,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from chainer_prefetch_bench.testbed.machine import file_system_type, machine_description
-from chainer_prefetch_bench.testbed.report import write_results
+from chainer_prefetch_bench.testbed.report import show_results
 
 
 def run_sequence(method: str, before: List[str], local_dirs: List[str],
@@ -162,10 +162,8 @@ def main(argv=None) -> int:
             print('{:<{}} {:<14} {:8.0f} rows/s'.format(
                 position, width, method, run['rows_per_s']), flush=True)
     table = format_table(runs, args.method, before, local_dirs, file_systems)
-    print(table)
-    if args.out:
-        write_results(args.out, __spec__.name, argv, runs, table, machine=machine,
-                      file_systems=file_systems)
+    show_results(args.out, __spec__.name, argv, runs, table, machine=machine,
+                 file_systems=file_systems)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Writing results: JSON files (atomically) and figures."""
 import json
 import os
-from typing import Any, List
+from typing import Any, List, Optional
 
 
 def write_json(path: str, data: Any, indent: int = 1) -> str:
@@ -46,6 +46,23 @@ def write_results(out: str, module: str, argv: List[str], runs: List[Any],
     with open(os.path.join(out, 'table.txt'), 'w') as table_file:
         table_file.write('python -m {} {}\n\n{}\n'.format(
             module, ' '.join(argv), table))
+
+
+def show_results(out: Optional[str], module: str, argv: List[str], runs: List[Any],
+                 table: str, **context: Any) -> None:
+    """Prints a script's table, and writes its results where ``out`` is given.
+
+    Args:
+        out: The results folder (see :func:`write_results`), or ``None``.
+        module: The script's module.
+        argv: Its arguments.
+        runs: JSON-able runs.
+        table: The table.
+        context: More JSON-able fields for the JSON file.
+    """
+    print(table)
+    if out:
+        write_results(out, module, argv, runs, table, **context)
 
 
 def save_figure(fig, out: str, name: str, dpi: int = 120) -> str:
