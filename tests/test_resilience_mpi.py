@@ -7,15 +7,17 @@ process of the run (ranks, replacements, watchdogs, ``prterun``) is left.
 Recovery runs use ``mpirun --with-ft ulfm`` (Open MPI 5 from PyPI).
 """
 import json
+import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 
 import pytest
 
 import helpers
-from chainer_prefetch.resilience import launcher
+from chainer_prefetch.resilience import launcher, supervisor
 from chainer_prefetch.resilience.injection import read_events
 from chainer_prefetch_bench.testbed import mpi_launch
 from test_resilience_policy import processes_with
@@ -218,7 +220,7 @@ def test_communicator_survivors_raise_the_same_failure(tmp_path):
 # ---- the ImageNet example with each strategy ----------------------------------
 
 def _example(tmp_path, n, strategy, *extra, ft=True, launcher=False,
-             timeout=RUN_TIMEOUT):
+             timeout=RUN_TIMEOUT, start_method='fork'):
     data = tmp_path / 'data'
     if not data.exists():
         helpers.make_colour_dataset(str(data), n_train=24, n_val=8)
@@ -227,7 +229,7 @@ def _example(tmp_path, n, strategy, *extra, ft=True, launcher=False,
                  str(data / 'train.txt'), str(data / 'val.txt'),
                  '--root', str(data), '--arch', 'tiny', '--crop-size', '32',
                  '--batchsize', '8', '--epoch', '3', '--loaderjob', '1',
-                 '--iterator', 'multiprocess', '--start-method', 'fork',
+                 '--iterator', 'multiprocess', '--start-method', start_method,
                  '--out', str(out), '--fault-tolerance', strategy,
                  '--stop-timeout', '2', '--call-timeout', '20'] + list(extra)
     command = _mpirun(n, arguments, ft=ft)
@@ -251,8 +253,12 @@ def _of(events, name):
 
 @pytest.mark.timeout(180)
 def test_respawn_after_kill_gives_identical_parameters(tmp_path):
+    # The replacement is spawned at the failure (no spares); every process
+    # starts its workers from its own fork server, which it starts after its
+    # supervisor's fork.
     returncode, output, _, events = _example(
-        tmp_path, 3, 'respawn', *_failure('kill', 1, 4))
+        tmp_path, 3, 'respawn', *_failure('kill', 1, 4),
+        start_method='forkserver')
     assert returncode == 0, output[-5000:]
     assert [e['rank'] for e in _of(events, 'failure')] == [1]
     recovered = _of(events, 'recovered')
@@ -284,9 +290,11 @@ def test_shrink_continues_at_size_two(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_checkpoint_restart_resumes_from_its_snapshot(tmp_path):
+    # No supervisor here: the fork server is started as before.
     returncode, output, _, events = _example(
         tmp_path, 2, 'checkpoint', '--snapshot-interval', '3',
-        *_failure('kill', 1, 7), ft=False, launcher=True)
+        *_failure('kill', 1, 7), ft=False, launcher=True,
+        start_method='forkserver')
     assert returncode == 0, output[-5000:]
     assert 'launch 0 failed' in output
     starts = _of(events, 'start')
@@ -325,3 +333,155 @@ def test_without_ulfm_respawn_fails_clearly_or_falls_back(tmp_path):
     assert 'falling back to checkpoint/restart' in output
     assert {e['strategy'] for e in _of(events, 'start')} >= {'checkpoint'}
     assert (tmp_path / 'out' / 'snapshot_iter_5').exists()
+
+
+# ---- a supervised rank that raises ends the job -----------------------------------
+
+class _FakeMPI:
+    """What the supervised rank's excepthook reads of ``mpi4py.MPI``."""
+
+    def __init__(self, initialized, finalized=False):
+        self.initialized, self.finalized = initialized, finalized
+        self.aborted = []
+        self.COMM_WORLD = self
+
+    def Is_initialized(self):
+        return self.initialized
+
+    def Is_finalized(self):
+        return self.finalized
+
+    def Abort(self, status):
+        self.aborted.append(status)
+
+
+@pytest.mark.parametrize('state, aborted', [
+    (None, []),                 # MPI not imported: never initialised here
+    ((False, False), []),
+    ((True, True), []),         # finalized
+    ((True, False), [supervisor.ABORT_STATUS]),
+])
+def test_supervised_rank_aborts_the_job_only_with_mpi_running(
+        monkeypatch, capsys, state, aborted):
+    monkeypatch.delitem(sys.modules, 'mpi4py.MPI', raising=False)
+    mpi = None
+    if state is not None:
+        mpi = _FakeMPI(*state)
+        monkeypatch.setitem(sys.modules, 'mpi4py.MPI', mpi)
+    printed = []
+    hook = supervisor.abort_job_on_exception(
+        'rank 3', lambda *exc_info: printed.append(exc_info[0]))
+    hook(ValueError, ValueError('bad data'), None)
+    assert printed == [ValueError]  # printed first, as before
+    assert (mpi.aborted if mpi else []) == aborted
+    assert ('rank 3 (pid {}) raised ValueError; ending the job with '
+            'MPI_Abort'.format(os.getpid()) in capsys.readouterr().err) \
+        == bool(aborted)
+    assert state is not None or 'mpi4py.MPI' not in sys.modules
+
+
+# ---- the commands of docs/fault_tolerance.rst, "Running it" ----------------------
+
+DOCS = os.path.join(mpi_launch.REPO, 'docs', 'fault_tolerance.rst')
+DOCUMENTED_RUN_TIMEOUT = 420
+"""The documented run trains 3 epochs of 1,920 images: about 80 s on 2
+cores with nothing else running."""
+
+
+def _documented_commands():
+    """The commands of the first literal block of "Running it" in
+    docs/fault_tolerance.rst, each split into words (continuation lines
+    joined, comments and blank lines left out)."""
+    with open(DOCS) as f:
+        section = f.read().split('\nRunning it\n', 1)[1]
+    lines = []
+    for line in section.split('::\n\n', 1)[1].splitlines():
+        if line and not line.startswith(' '):
+            break  # the literal block ends at the first unindented line
+        lines.append(line.strip())
+    text = '\n'.join(lines).replace('\\\n', ' ')
+    return [shlex.split(line) for line in text.splitlines()
+            if line and not line.startswith('#')]
+
+
+def _documented(program):
+    """The documented command that runs ``program`` (its first word or the
+    module after ``python -m``)."""
+    for command in _documented_commands():
+        if command[0] == program or command[1:3] == ['-m', program]:
+            return command
+    raise AssertionError('{} not in "Running it" of {}'.format(program, DOCS))
+
+
+def _here(command, tmp_path):
+    """``command`` as it runs in ``tmp_path`` (its working directory) on this
+    machine: ``mpirun`` and ``python`` are this environment's, and the
+    example is reached through ``tmp_path/examples``, a link to the
+    repository's, so that every process of the run names ``tmp_path``.  The
+    arguments are the documented ones."""
+    examples = tmp_path / 'examples'
+    if not examples.exists():
+        examples.symlink_to(os.path.join(mpi_launch.REPO, 'examples'))
+    programs = {'mpirun': mpi_launch.mpiexec_path(),
+                'python': sys.executable}
+    return [programs.get(word) or (str(tmp_path / word)
+                                   if word.startswith('examples/') else word)
+            for word in command]
+
+
+def _documented_data(tmp_path):
+    """Generates the documented data set in ``tmp_path/data``."""
+    subprocess.run(_here(_documented('chainer_prefetch_bench.fault.gratings'),
+                         tmp_path),
+                   cwd=str(tmp_path), check=True, timeout=120)
+
+
+def _replaced(command, option, value):
+    """``command`` with ``option``'s value replaced by ``value``."""
+    at = command.index(option) + 1
+    return command[:at] + [value] + command[at + 1:]
+
+
+@pytest.mark.timeout(DOCUMENTED_RUN_TIMEOUT + 120)
+def test_documented_ulfm_command_recovers_with_the_default_start_method(
+        tmp_path):
+    command = _documented('mpirun')
+    # Workers come from the fork server (the default), started by each rank
+    # after its supervisor's fork; the spares (MPI_Comm_spawn) too.
+    assert '--start-method' not in command
+    assert '--spares' in command
+    _documented_data(tmp_path)
+    returncode, output, _ = _run(_here(command, tmp_path), tmp_path,
+                                 timeout=DOCUMENTED_RUN_TIMEOUT)
+    assert returncode == 0, output[-5000:]
+    assert 'No child processes' not in output, output[-5000:]
+    events = read_events(str(tmp_path / 'result' / 'ft_events.jsonl'))
+    assert [(e['rank'], e['iteration']) for e in _of(events, 'failure')] \
+        == [(1, 20)]
+    recovered = _of(events, 'recovered')
+    assert sorted(e['rank'] for e in recovered) == [0, 2], output[-5000:]
+    assert all((e['failed'], e['from_spares']) == ([1], 1)
+               for e in recovered), recovered
+    assert [e['rank'] for e in _of(events, 'joined')] == [1]
+    finished = _of(events, 'finished')
+    assert sorted(e['rank'] for e in finished) == [0, 1, 2], output[-5000:]
+    assert len({e['params_sha1'] for e in finished}) == 1, finished
+    assert {e['iteration'] for e in finished} == {240}  # 3 epochs of 80
+
+
+@pytest.mark.timeout(300)
+def test_mpirun_exits_non_zero_when_every_rank_fails(tmp_path):
+    # The documented command with crops larger than the 40x40 images: every
+    # rank raises at its first batch.  Each is fenced, and ULFM's mpirun
+    # leaves ranks killed by a signal out of its status, so the ranks end
+    # the job with MPI_Abort.
+    _documented_data(tmp_path)
+    command = _replaced(_documented('mpirun'), '--crop-size', '48')
+    returncode, output, _ = _run(_here(command, tmp_path), tmp_path,
+                                 timeout=200)
+    assert returncode != 0, output[-5000:]
+    assert 'is smaller than the crop size 48' in output, output[-5000:]
+    assert 'ending the job with MPI_Abort (status 1)' in output, \
+        output[-5000:]
+    events = read_events(str(tmp_path / 'result' / 'ft_events.jsonl'))
+    assert _of(events, 'finished') == []

@@ -18,13 +18,25 @@ passed on unchanged.  Signals sent to the parent (``SIGTERM`` from
 ``mpirun``, ``SIGINT``) are passed on to the rank; the rank gets ``SIGKILL``
 if its parent dies.
 
+A fenced rank's status is lost: in a job started with ``mpirun --with-ft
+ulfm`` PRRTE leaves processes killed by a signal out of ``mpirun``'s exit
+status (only a non-zero *exit* counts, and that one ULFM does not report).
+So an exception that reaches the top of a supervised rank after MPI was
+initialised (an error of the program, not a lost process: respawning would
+meet it again) ends the whole job instead: the rank's ``sys.excepthook``
+prints it as usual and calls ``MPI_Abort`` on ``COMM_WORLD`` with status
+:data:`ABORT_STATUS`, which ``mpirun`` reports.
+
 Only the standard library is used here; nothing may initialise MPI before
-the fork.
+the fork, and no thread may run then (the child would inherit a copy of
+this process with only the forking thread, and any lock another thread
+held stays locked forever).
 """
 import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Callable, Optional
 
@@ -35,6 +47,9 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
                      signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
+ABORT_STATUS = 1
+"""``MPI_Abort``'s status when a supervised rank raises (Python's status
+for an uncaught exception)."""
 
 
 def _prctl(option: int, value: int) -> bool:
@@ -134,11 +149,43 @@ def _supervise_child(child: int, describe: str) -> None:
     os._exit(1)  # not reached
 
 
+def abort_job_on_exception(describe: str, previous: Callable) -> Callable:
+    """The ``sys.excepthook`` of a supervised rank (see the module
+    docstring).
+
+    Args:
+        describe: How its message names the rank.
+        previous: The hook that prints the exception first (the one in
+            place, e.g. ``sys.excepthook``).
+
+    Returns:
+        A hook that prints the exception with ``previous`` and then, where
+        this process has initialised MPI and not finalized it, ends the job
+        with ``MPI_Abort(COMM_WORLD, ABORT_STATUS)``.  Without MPI it does
+        nothing more: the rank exits with status 1 and is fenced.
+    """
+    def hook(kind, value, traceback):
+        previous(kind, value, traceback)
+        mpi = sys.modules.get('mpi4py.MPI')  # never initialise MPI here
+        if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+            return
+        sys.stderr.write(
+            'chainer_prefetch supervisor: {} (pid {}) raised {}; ending the '
+            'job with MPI_Abort (status {})\n'.format(
+                describe, os.getpid(), kind.__name__, ABORT_STATUS))
+        sys.stderr.flush()
+        mpi.COMM_WORLD.Abort(ABORT_STATUS)
+    return hook
+
+
 def supervise(describe: Optional[str] = None,
               fork: Callable[[], int] = os.fork) -> int:
     """Runs the rest of this program as a supervised child (see the module
-    docstring).  Call it before MPI is initialised; a second call (in the
-    child, or in a process already supervised) does nothing.
+    docstring).  Call it before MPI is initialised and before any thread or
+    fork server is started (a fork server belongs to the process that
+    starts it); a second call (in the child, or in a process already
+    supervised) does nothing.  The child's ``sys.excepthook`` becomes
+    :func:`abort_job_on_exception`'s.
 
     Args:
         describe: How the supervisor's message names the rank (default:
@@ -149,13 +196,18 @@ def supervise(describe: Optional[str] = None,
         The supervisor's pid, in the child (the parent never returns).
 
     Raises:
-        RuntimeError: MPI was already initialised in this process.
+        RuntimeError: MPI was already initialised in this process, or
+            another thread runs.
     """
     if os.environ.get(SUPERVISED_VARIABLE):
         return int(os.environ[SUPERVISED_VARIABLE])
     if 'mpi4py.MPI' in sys.modules:
         raise RuntimeError('supervise() must run before mpi4py.MPI is '
                            'imported (MPI is initialised at that import)')
+    if threading.active_count() > 1:
+        raise RuntimeError('supervise() must run before any thread is '
+                           'started (it forks): {}'.format(
+                               [t.name for t in threading.enumerate()]))
     if describe is None:
         describe = 'rank {}'.format(os.environ.get('OMPI_COMM_WORLD_RANK',
                                                    '?'))
@@ -170,4 +222,5 @@ def supervise(describe: Optional[str] = None,
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != supervisor:  # the supervisor died before prctl
         os._exit(1)
+    sys.excepthook = abort_job_on_exception(describe, sys.excepthook)
     return supervisor

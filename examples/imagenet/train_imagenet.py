@@ -71,6 +71,10 @@ Notes:
   initialised by ``chainermn.create_communicator``, and every later worker
   is forked from that clean, MPI-free server.  ``fork`` is faster to start
   and fine on machines without InfiniBand (e.g. shared memory or TCP only).
+  With ``--fault-tolerance respawn|shrink`` each rank first splits off its
+  supervisor (``supervise()``, a fork of the still single-threaded process)
+  and starts the fork server only then: the server must be a child of the
+  rank itself, which waits for it (``os.waitpid``) before every worker.
 """
 
 import argparse
@@ -96,6 +100,9 @@ from time_breakdown import COMPONENTS, TimedUpdater, install_time_breakdown
 
 CPU_COMMUNICATORS = ('naive',)
 """ChainerMN 7.8.1 communicators that work without CuPy."""
+
+SUPERVISED_STRATEGIES = ('respawn', 'shrink')
+"""``--fault-tolerance`` strategies whose ranks run under a supervisor."""
 
 
 class PreprocessedDataset(chainer.dataset.DatasetMixin):
@@ -309,8 +316,11 @@ def add_fault_tolerance_arguments(parser):
 def set_start_method(method):
     """Pick the start method and, for forkserver, start the server now.
 
-    Must run before MPI is initialised.  Setting the method alone does not
-    launch the fork server, so a dummy process is started and joined.
+    Must run before MPI is initialised, and after ``supervise()`` where the
+    rank is supervised: the fork server is a child of the process that
+    starts it, and only that process can use it.  Setting the method alone
+    does not launch the fork server, so a dummy process is started and
+    joined.
     """
     multiprocessing.set_start_method(method, force=True)
     if method == 'forkserver':
@@ -393,6 +403,17 @@ def main(argv=None):
         sys.exit('communicator {!r} needs --gpu; on the CPU use one of {}'
                  .format(args.communicator, ', '.join(CPU_COMMUNICATORS)))
 
+    if args.fault_tolerance is not None and (args.gpu or
+                                             args.communicator != 'naive'):
+        # Checked before supervise(): an exit of a supervised rank is fenced,
+        # and ULFM's mpirun leaves a fenced rank out of its exit status.
+        sys.exit('--fault-tolerance runs on the CPU with the naive '
+                 'communicator (drop --gpu / --communicator)')
+    if args.fault_tolerance in SUPERVISED_STRATEGIES:
+        # First the supervisor's fork (see train_fault_tolerant): the rank
+        # is the child, and it starts its own fork server below.
+        from chainer_prefetch.resilience.supervisor import supervise
+        supervise()
     # Before MPI initialisation (inside create_communicator); see docstring.
     set_start_method(args.start_method)
 
@@ -552,11 +573,13 @@ def train_fault_tolerant(args):
       ``chainer_prefetch.resilience``'s fault-tolerant one (CPU, ``naive``);
       a failure is repaired in-process by ``FaultTolerantTraining``.  Every
       rank keeps the whole example lists (they are small) so that any shard
-      can be rebuilt.  Each rank runs under a supervisor process that fences
-      it if it ends without finalizing.  With ``--spares N``, N spare
-      processes of this program wait parked (``SparePool``) and take failed
-      ranks; a spare or a replacement receives the example lists with the
-      model, optimizer state, iteration and iterator position.
+      can be rebuilt.  Each rank runs under a supervisor process (started
+      by ``main()`` before the fork server) that fences it if it ends
+      without finalizing; an exception it raises ends the whole job.  With
+      ``--spares N``, N spare processes of this program wait parked
+      (``SparePool``) and take failed ranks; a spare or a replacement
+      receives the example lists with the model, optimizer state, iteration
+      and iterator position.
     * ``checkpoint``: rank 0 writes ``OUT/snapshot_iter_N`` every
       ``--snapshot-interval`` iterations (or ``--snapshot-seconds``) and
       every rank loads the latest one at start;
@@ -567,14 +590,8 @@ def train_fault_tolerant(args):
     ``--ft-events`` for the experiments.
     """
     from chainer_prefetch.resilience import injection, launcher, policy
-    from chainer_prefetch.resilience.supervisor import supervise
     from chainer_prefetch.resilience.watchdog import WatchdogSettings
-    if args.gpu or args.communicator != 'naive':
-        sys.exit('--fault-tolerance runs on the CPU with the naive '
-                 'communicator (drop --gpu / --communicator)')
     started = time.time()
-    if args.fault_tolerance != 'checkpoint':
-        supervise()  # before MPI is initialised (the imports below)
     from chainer_prefetch.resilience import recovery
     from chainer_prefetch.resilience import training as ft_training
     from chainer_prefetch.resilience.communicator import FaultTolerantCommunicator, start_watchdog
