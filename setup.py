@@ -61,7 +61,7 @@ setup(
         # chainer_prefetch.elastic; needs an etcd server (Debian etcd-server)
         'elastic': ['torch==2.13.0', 'etcd3gw'],
         'bench': BENCH,
-        'test': BENCH + ['pytest', 'pytest-timeout', 'ruff'],
+        'test': BENCH + ['pytest', 'pytest-timeout', 'ruff', 'hypothesis'],
         'gpu': ['cupy'],
     },
 )

@@ -8,6 +8,9 @@ communicator reports EVENT for GENERATION (e.g. ``decided:1``: the leader
 dies mid-rebuild), ``--kill-at EVENT:size=N`` right after it reports EVENT
 for a group of N members (the generation a size is reached at depends on
 whether the first members started within one settle window).
+``--kill-after-iteration N`` makes it SIGKILL itself right after it
+committed update N.  ``--example-log PATH`` logs the indices of every batch
+(``chainer_prefetch_bench.testbed.exactly_once``).
 ``--hold-until-size N`` slows training (0.5 s per iteration, for at most
 60 s) until the job has had N members, so that a member started later
 joins before the job ends however slowly it starts.
@@ -30,6 +33,7 @@ from chainer.training import extensions
 from chainer_prefetch import elastic
 from chainer_prefetch.elastic.policy import parse_policy
 from chainer_prefetch.resilience.injection import EventLog
+from chainer_prefetch_bench.testbed.exactly_once import IndexedDataset, logging_converter
 
 
 class MLP(chainer.Chain):
@@ -75,6 +79,8 @@ def main():
     parser.add_argument('--iteration-sleep', type=float, default=0.0)
     parser.add_argument('--kill-at', default=None)
     parser.add_argument('--hold-until-size', type=int, default=0)
+    parser.add_argument('--kill-after-iteration', type=int, default=0)
+    parser.add_argument('--example-log', default=None)
     args = parser.parse_args()
     events = EventLog(args.events, os.getpid())
 
@@ -96,21 +102,26 @@ def main():
             args.url, parse_policy(args.policy), settings, signature,
             on_event)
         train = make_dataset(args.examples, 0)
+        converter = chainer.dataset.concat_examples
+        if args.example_log:
+            train = IndexedDataset(train)
+            converter = logging_converter(args.example_log, lambda: updater)
         val = make_dataset(64, 1)
         model = L.Classifier(MLP(args.width))
         optimizer = chainermn.create_multi_node_optimizer(
             chainer.optimizers.MomentumSGD(lr=0.05), comm)
         optimizer.setup(model)
 
-        def train_iterator(shard):
-            return chainer.iterators.SerialIterator(shard, args.batchsize)
+        def train_iterator(shard, order_sampler=None):
+            return chainer.iterators.SerialIterator(
+                shard, args.batchsize, order_sampler=order_sampler)
 
         def val_iterator(shard):
             return chainer.iterators.SerialIterator(
                 shard, args.batchsize, repeat=False, shuffle=False)
 
         updater = training.updaters.StandardUpdater(
-            train_iterator(train), optimizer)
+            train_iterator(train), optimizer, converter=converter)
         trainer = training.Trainer(updater, (args.epochs, 'epoch'),
                                    out=os.path.dirname(args.events))
         evaluator = chainermn.create_multi_node_evaluator(
@@ -124,12 +135,19 @@ def main():
             holding = not held['reached'] and time.monotonic() < held['until']
             time.sleep(0.5 if holding else args.iteration_sleep)
 
+        if args.kill_after_iteration:
+            def die(trainer):
+                if updater.iteration == args.kill_after_iteration:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            trainer.extend(die, trigger=(1, 'iteration'), name='die')
         if args.iteration_sleep or args.hold_until_size:
             trainer.extend(pace, trigger=(1, 'iteration'), name='sleep')
         elastic_training = elastic.ElasticTraining(
             comm, model, optimizer, updater, train, train_iterator, val,
             val_iterator, evaluator, trainer, epochs=args.epochs)
         trainer.run()
+        if args.example_log:
+            converter.log.write('finished', iteration=updater.iteration)
         events.write('finished', iteration=updater.iteration,
                      size=comm.size, generation=comm.generation,
                      params_sha1=digest(model),

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 
-import numpy
 import pytest
 
 pytest.importorskip('torch')
@@ -27,13 +26,11 @@ from chainer_prefetch.elastic import (  # NOQA: E402
 from chainer_prefetch.elastic.plan import (  # NOQA: E402
     Record,
     SettleWindow,
-    locality_split,
     node_layout,
     rendezvous_step,
     signature_mismatch,
 )
 from chainer_prefetch.elastic.policy import Progress, decide, parse_policy  # NOQA: E402
-from chainer_prefetch.resilience.policy import shard_bounds  # NOQA: E402
 
 A, B, C, D = 'h:1:a', 'h:2:b', 'h:3:c', 'h:4:d'
 
@@ -120,35 +117,6 @@ def test_node_layout():
     members = ['a:1:x', 'a:2:y', 'b:1:z']
     assert node_layout(members, 'a:2:y') == (1, 2, 0, 2)
     assert node_layout(members, 'b:1:z') == (0, 1, 1, 2)
-
-
-@pytest.mark.parametrize('n,old,new', [(100, 4, 2), (100, 2, 4), (101, 3, 4),
-                                       (7, 1, 3)])
-def test_locality_split_keeps_local_copies(n, old, new):
-    order = numpy.random.RandomState(0).permutation(n)
-    held = {}
-    for rank in range(old):
-        begin, end = shard_bounds(n, old, rank)
-        held['node{}'.format(rank)] = order[numpy.arange(begin, end) % n]
-    places = ['node{}'.format(r) for r in range(new)]
-    split = locality_split(n, places, held, order, shard_bounds)
-    lengths = {len(shard) for shard in split.shards}
-    assert lengths == {-(-n // new)}
-    assert set(numpy.concatenate(split.shards)) == set(range(n))
-    for rank, shard in enumerate(split.shards):
-        local = numpy.isin(shard, held.get(places[rank], [])).sum()
-        assert local >= split.kept_local[rank]
-    survivors = min(old, new)
-    best = sum(min(len(held['node{}'.format(r)]), n // new)
-               for r in range(survivors))
-    assert sum(split.kept_local) >= best
-    assert sum(split.kept_local) >= sum(split.plain_kept_local)
-
-
-def test_locality_split_shares_a_node_between_its_members():
-    held = {'n0': numpy.arange(0, 50)}
-    split = locality_split(100, ['n0', 'n0', 'n1', 'n1'], held)
-    assert split.kept_local == [25, 25, 0, 0]
 
 
 def test_signature_mismatch_names_settings():

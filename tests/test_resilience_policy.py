@@ -69,14 +69,6 @@ def test_lr_rules():
         policy.linear_lr(0.1, 0, 2)
 
 
-def test_resume_position_keeps_fraction_of_epoch():
-    assert policy.resume_position(0, 100, 150) == 0
-    assert policy.resume_position(50, 100, 150) == 75
-    assert policy.resume_position(99, 100, 10) == 9  # clamped into the shard
-    with pytest.raises(ValueError):
-        policy.resume_position(1, 0, 10)
-
-
 def test_failed_ranks():
     assert policy.failed_ranks(4, [3, 0]) == [1, 2]
     assert policy.failed_ranks(3, [0, 1, 2]) == []

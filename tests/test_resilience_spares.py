@@ -69,8 +69,7 @@ optimizer = chainermn.create_multi_node_optimizer(
     chainer.optimizers.SGD(lr=0.01), comm)
 optimizer.setup(model)
 updater = chainer.training.updaters.StandardUpdater(
-    make_iterator(ft.shard(data, comm.size, comm.rank, 7),
-                  ft.order_sampler(7, comm.rank)),
+    ft.train_iterator(data, make_iterator, BATCH, comm, 7),
     optimizer, converter=converter)
 trainer = chainer.training.Trainer(updater, (EPOCHS, 'epoch'), out)
 recoverer = ft.FaultTolerantTraining(

@@ -5,16 +5,12 @@
 * :class:`Record` and :func:`rendezvous_step`: what a member does next in
   a rebuild, given the settled view and the latest generation record.
 * :func:`node_layout`: intra/inter ranks from the member names.
-* :func:`locality_split`: equal-length shards that keep each node's
-  examples where it already has local copies, as far as the split allows.
 * :func:`signature_mismatch`: why a process may not join a job.
 
 The edges (``membership.py``, ``communicator.py``, ``training.py``) feed
 these functions what they observe and carry out what they return.
 """
-from typing import Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence, Tuple
-
-import numpy
+from typing import FrozenSet, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 MEMBER_SEPARATOR = ':'
 
@@ -170,92 +166,6 @@ def node_layout(members: Sequence[str], me: str) -> Tuple[int, int, int, int]:
     mine = host_of(me)
     same = [member for member in members if host_of(member) == mine]
     return same.index(me), len(same), nodes.index(mine), len(nodes)
-
-
-class Split(NamedTuple):
-    """Result of :func:`locality_split`.
-
-    Attributes:
-        shards: Per member (rank order), the dataset indices of its shard
-            (all of one length).
-        kept_local: Per member, how many of its indices its node already
-            held.
-        plain_kept_local: The same for the plain contiguous split of
-            ``chainermn.scatter_dataset`` (for comparison).
-    """
-    shards: List[numpy.ndarray]
-    kept_local: List[int]
-    plain_kept_local: List[int]
-
-
-def locality_split(n_examples: int, localities: Sequence[str],
-                   held: Mapping[str, numpy.ndarray],
-                   order: Optional[numpy.ndarray] = None,
-                   plain_bounds=None) -> Split:
-    """Splits ``n_examples`` over the members, keeping local copies local.
-
-    Every member gets ``ceil(n / size)`` indices (as
-    ``chainermn.scatter_dataset(force_equal_length=True)``: the shorter
-    shards repeat some of their own), every example is in some shard, and
-    each member first takes the examples its node (``localities[rank]``)
-    already holds (dealt in turns to the members of the node), then the
-    rest in ``order``.  Deterministic: every member computes the same.
-
-    Args:
-        n_examples: Examples in the dataset.
-        localities: Per member (rank order), the name of the place its
-            local copies are in (members with the same name share them).
-        held: Per locality, the indices it holds copies of.
-        order: Permutation used to order the unassigned examples (e.g.
-            ``scatter_dataset``'s shuffle), or None.
-        plain_bounds: ``bounds(n, size, rank) -> (begin, end)`` of the
-            plain split, to count what it would have kept local.
-
-    Returns:
-        The :class:`Split`.
-    """
-    size = len(localities)
-    if size < 1 or n_examples < size:
-        raise ValueError('cannot split {} examples over {} members'.format(
-            n_examples, size))
-    quota = [n_examples // size + (1 if r < n_examples % size else 0)
-             for r in range(size)]
-    owner = numpy.full(n_examples, -1, dtype=numpy.int64)
-    shards: List[List[int]] = [[] for _ in range(size)]
-    by_place: Dict[str, List[int]] = {}
-    for rank, place in enumerate(localities):
-        by_place.setdefault(place, []).append(rank)
-    for place, ranks in by_place.items():
-        candidates = numpy.unique(numpy.asarray(held.get(place, ()),
-                                                dtype=numpy.int64))
-        candidates = candidates[(candidates >= 0) & (candidates < n_examples)]
-        for turn, rank in enumerate(ranks):
-            mine = candidates[turn::len(ranks)][:quota[rank]]
-            shards[rank].extend(int(i) for i in mine)
-            owner[mine] = rank
-    kept = [len(shard) for shard in shards]
-    rest = numpy.arange(n_examples) if order is None else numpy.asarray(order)
-    rest = rest[owner[rest] < 0]
-    position = 0
-    for rank in range(size):
-        need = quota[rank] - len(shards[rank])
-        shards[rank].extend(int(i) for i in rest[position:position + need])
-        position += need
-    length = max(quota)
-    padded = []
-    for rank in range(size):
-        shard = shards[rank]
-        shard = shard + shard[:length - len(shard)]
-        padded.append(numpy.asarray(shard, dtype=numpy.int64))
-    plain = []
-    if plain_bounds is not None:
-        base = numpy.arange(n_examples) if order is None else numpy.asarray(
-            order)
-        for rank, place in enumerate(localities):
-            begin, end = plain_bounds(n_examples, size, rank)
-            indices = base[numpy.arange(begin, end) % n_examples]
-            plain.append(int(numpy.isin(indices, held.get(place, ())).sum()))
-    return Split(padded, kept, plain)
 
 
 def signature_mismatch(job: Mapping[str, object],

@@ -14,11 +14,18 @@ Either way every member then
    the model, the optimizer state, the iteration, the epoch position and the
    learning rate -- a process that joins starts with no state and receives
    it here;
-3. splits the dataset again over the new size, keeping on each node the
-   examples it already has local copies of (:func:`~.plan.locality_split`);
+3. plans the rest of the epoch for the new group
+   (:func:`~chainer_prefetch.policy.epoch_plan.replan`): the examples of
+   the epoch that no committed update consumed -- the batches of an update
+   that a failure aborted included, on every member, dead or alive -- are
+   split over the new members exactly once, each member first taking the
+   examples its node holds local copies of; the consumed ones fill the
+   shards for the next epochs, so every example is trained on once per
+   epoch through the change;
 4. rescales the learning rate by a rule (``lr_rule(lr, old_size,
    new_size)``, linear by default; any callable);
-5. rebuilds the iterators at the same fraction of the epoch and goes on.
+5. moves its :class:`~chainer_prefetch.iterators.planned_iterator.
+   PlannedIterator` to its part of the new plan and goes on.
 
 An evaluation cut by a change is skipped (the next one runs).  Every
 rebuild is appended to :attr:`ElasticTraining.history` with its times and
@@ -27,24 +34,31 @@ the shared-storage reads of the iterator it replaced.
 import time
 from typing import Any, Callable, Dict, List, Optional, Union
 
-import chainer
 import numpy
-from chainer.serializers import DictionarySerializer, NpzDeserializer
+from chainer.serializers import NpzDeserializer
 
 from chainer_prefetch.elastic import plan
 from chainer_prefetch.elastic.communicator import ElasticCommunicator
 from chainer_prefetch.elastic.errors import MembershipChanged
 from chainer_prefetch.elastic.policy import Progress
-from chainer_prefetch.resilience.policy import (
-    LrRule,
-    resolve_lr_rule,
-    resume_position,
-    shard_bounds,
-    shard_order,
+from chainer_prefetch.iterators.planned_iterator import (
+    PlannedIterator,
+    ShardIteratorFactory,
+    serialized,
+    subset,
 )
+from chainer_prefetch.policy.epoch_plan import (
+    EpochPlan,
+    held_masks,
+    replan,
+    shard_bounds,
+    start_plan,
+)
+from chainer_prefetch.resilience.policy import LrRule, resolve_lr_rule
 
 IteratorFactory = Callable[[Any], Any]
-"""``factory(dataset) -> iterator`` (the old iterator is finalized)."""
+"""``factory(dataset) -> iterator`` of the validation shards (the old
+iterator is finalized)."""
 
 STORAGE_STATS = ('files_copied', 'examples_from_source', 'examples_from_local')
 """Counters of ``PrefetchMultiprocessIterator.stats`` kept per generation:
@@ -58,13 +72,6 @@ def storage_reads(iterator) -> Optional[Dict[str, int]]:
     if stats is None:
         return None
     return {key: int(stats.get(key, 0)) for key in STORAGE_STATS}
-
-
-def serialized(target) -> Dict[str, numpy.ndarray]:
-    """The state of a link, optimizer or iterator as a dict of arrays."""
-    serializer = DictionarySerializer()
-    target.serialize(serializer)
-    return serializer.target
 
 
 def deserialize(target, state: Dict[str, Any], strict: bool = True) -> None:
@@ -84,24 +91,6 @@ def reset_triggers(trainer) -> None:
             trigger._previous_iteration = -1
 
 
-def subset(dataset, indices: numpy.ndarray):
-    """``dataset[indices]`` as a ``SubDataset`` (which the prefetching
-    iterator sees through); ``indices`` may repeat."""
-    order = numpy.zeros(len(dataset), dtype=numpy.int64)
-    order[:len(indices)] = indices
-    return chainer.datasets.SubDataset(dataset, 0, len(indices), order)
-
-
-def _held_mask(n_examples: int, indices) -> numpy.ndarray:
-    mask = numpy.zeros(n_examples, dtype=bool)
-    mask[numpy.asarray(list(indices), dtype=numpy.int64)] = True
-    return numpy.packbits(mask)
-
-
-def _held_indices(n_examples: int, packed: numpy.ndarray) -> numpy.ndarray:
-    return numpy.flatnonzero(numpy.unpackbits(packed)[:n_examples])
-
-
 class ElasticTraining:
     """Keeps a Chainer trainer running while members come and go.
 
@@ -113,14 +102,19 @@ class ElasticTraining:
         comm: The elastic communicator.
         model: The model (a link).
         optimizer: The multi-node optimizer.
-        updater: The updater (its ``'main'`` iterator is replaced).
+        updater: The updater.  Its ``'main'`` iterator gives the batch size
+            per member and is replaced by a
+            :class:`~chainer_prefetch.iterators.planned_iterator.
+            PlannedIterator`.
         train: The whole training dataset (every member holds it).
-        make_train_iterator: Builds an iterator over a shard.
+        make_train_iterator: Builds the iterator over a shard with an order
+            sampler (``factory(shard, order_sampler)``, ``repeat=True``).
         val: The whole validation dataset, or None.
         make_val_iterator: Builds a validation iterator over a shard.
         evaluator: The multi-node evaluator extension, or None.
         trainer: The trainer (its triggers are realigned), or None.
-        seed: Shuffle of the examples before splitting (None: none).
+        seed: Shuffle of the examples before splitting and seed of the
+            orders (None: no shuffle, orders seeded with 0).
         lr_rule: ``'linear'``, ``'sqrt'``, ``'constant'`` or a callable
             ``rule(lr, old_size, new_size)``; may be changed at any time
             (attribute ``lr_rule``).
@@ -134,7 +128,7 @@ class ElasticTraining:
     """
 
     def __init__(self, comm: ElasticCommunicator, model, optimizer, updater,
-                 train, make_train_iterator: IteratorFactory, val=None,
+                 train, make_train_iterator: ShardIteratorFactory, val=None,
                  make_val_iterator: Optional[IteratorFactory] = None,
                  evaluator=None, trainer=None, seed: Optional[int] = 0,
                  lr_rule: Union[str, LrRule] = 'linear',
@@ -158,7 +152,8 @@ class ElasticTraining:
         self.keep_local = keep_local
         self.on_event = on_event or comm.on_event
         self.history: List[Dict[str, Any]] = []
-        self.held = numpy.zeros(0, dtype=numpy.int64)
+        self.batch_size = updater.get_iterator('main').batch_size
+        self.localities: List[str] = []  # of the plan's members
         self.trained_size: Optional[int] = None
         self.started = time.monotonic()
         self._install()
@@ -232,9 +227,7 @@ class ElasticTraining:
     def _take_state(self, started: float, reason: str) -> None:
         comm = self.comm
         formed = time.monotonic()
-        n = len(self.train)
-        infos = comm.allgather_obj((self.updater.iteration, self.locality,
-                                    _held_mask(n, self.held)))
+        infos = comm.allgather_obj((self.updater.iteration, self.locality))
         iterations = [info[0] for info in infos]
         source = int(numpy.argmax(iterations))
         package = comm.bcast_obj(
@@ -246,31 +239,30 @@ class ElasticTraining:
                         strict=False)
         # Parameters are in sync: the first update must not broadcast.
         self.optimizer.is_changed(self.model)
-        self.updater.iteration = int(package['iteration'])
-        held: Dict[str, numpy.ndarray] = {}
-        for _, locality, mask in infos:
-            if self.keep_local:
-                held[locality] = numpy.union1d(held.get(locality, []),
-                                               _held_indices(n, mask))
-        split = plan.locality_split(
-            n, [info[1] for info in infos], held, shard_order(n, self.seed),
-            shard_bounds)
-        shard = split.shards[comm.rank]
-        reads = self._replace_iterators(shard, package)
+        # The source's last update is committed: the others' copies of the
+        # model are replaced by its, so their batches count as consumed.
+        iteration = self.updater.iteration = int(package['iteration'])
+        localities = [info[1] for info in infos]
+        new_plan, held, plain = self._plan(package, iteration, localities)
+        reads = self._replace_iterators(new_plan)
         old_size = package['size'] or comm.size
         lr_before = package['lr']
         self.optimizer.lr = self.lr_rule(lr_before, old_size, comm.size)
-        self.held = numpy.union1d(self.held, shard)
+        self.localities = localities
         self.trained_size = comm.size
         if self.trainer is not None:
             reset_triggers(self.trainer)
+        shard = new_plan.shards[comm.rank]
+        mine = held[comm.rank]
+        epoch, position = new_plan.where(iteration)
         record = dict(
             generation=comm.generation, reason=reason, size=comm.size,
             group_rank=comm.rank, old_size=old_size, source=source,
-            iteration=self.updater.iteration, lr_before=lr_before,
-            lr=self.optimizer.lr, shard=len(shard),
-            kept_local=split.kept_local[comm.rank],
-            plain_kept_local=split.plain_kept_local[comm.rank],
+            iteration=iteration, epoch=epoch, position=position,
+            lr_before=lr_before, lr=self.optimizer.lr, shard=len(shard),
+            kept_local=0 if mine is None else int(mine[shard].sum()),
+            plain_kept_local=0 if mine is None else int(
+                mine[plain.shards[comm.rank]].sum()),
             previous_storage=reads,
             rendezvous_seconds=formed - started,
             state_seconds=time.monotonic() - formed,
@@ -278,36 +270,50 @@ class ElasticTraining:
         self.history.append(record)
         self.on_event('resumed', **record)
 
+    def _plan(self, package: Dict[str, Any], iteration: int,
+              localities: List[str]):
+        """``(plan, held, plain)``: the plan of the new group from the
+        source's (a fresh one when nobody has trained yet), what each new
+        member's place holds, and the plan that ignores it (to count what
+        keeping local copies local saves)."""
+        size = self.comm.size
+        if package['plan'] is None:
+            fresh = start_plan(len(self.train), size,
+                               0 if self.seed is None else self.seed,
+                               self.batch_size, self.seed is not None,
+                               iteration=iteration)
+            return fresh, [None] * size, fresh
+        old = EpochPlan.from_arrays(package['plan'])
+        held = held_masks(old, package['localities'], localities)
+        plain = replan(old, iteration, size)
+        if not self.keep_local:
+            return plain, held, plain
+        return replan(old, iteration, size, held), held, plain
+
     def _package(self) -> Dict[str, Any]:
         iterator = self.updater.get_iterator('main')
+        planned = isinstance(iterator, PlannedIterator)
         return dict(model=serialized(self.model),
                     optimizer=serialized(self.optimizer.actual_optimizer),
                     iteration=self.updater.iteration,
-                    epoch=iterator.epoch, epoch_detail=iterator.epoch_detail,
+                    plan=iterator.plan.to_arrays() if planned else None,
+                    localities=self.localities,
                     lr=self.optimizer.lr, size=self.trained_size)
 
-    def _replace_iterators(self, shard: numpy.ndarray,
-                           package: Dict[str, Any]
+    def _replace_iterators(self, new_plan: EpochPlan
                            ) -> Optional[Dict[str, int]]:
-        """New iterators over ``shard`` at the source's epoch position;
-        returns the storage counters of the replaced one (if known)."""
+        """Moves the training iterator to this member's part of
+        ``new_plan`` (and splits the validation set over the new group);
+        returns the storage counters of the shard iterator replaced."""
         old = self.updater.get_iterator('main')
         reads = storage_reads(old)
-        iterator = self.make_train_iterator(subset(self.train, shard))
-        epoch = int(package['epoch'])
-        fraction = float(package['epoch_detail']) - epoch
-        length = len(shard)
-        position = resume_position(int(round(fraction * length)), length,
-                                   length)
-        state = serialized(iterator)
-        state.update(current_position=numpy.asarray(position),
-                     epoch=numpy.asarray(epoch),
-                     is_new_epoch=numpy.asarray(False),
-                     previous_epoch_detail=numpy.asarray(
-                         epoch + position / length))
-        deserialize(iterator, state, strict=False)
-        self.updater._iterators['main'] = iterator
-        old.finalize()
+        if isinstance(old, PlannedIterator):
+            old.follow(new_plan, self.comm.rank)
+        else:  # the placeholder the updater was built with
+            self.updater._iterators['main'] = PlannedIterator(
+                self.train, self.make_train_iterator, new_plan,
+                self.comm.rank)
+            old.finalize()
         if self.evaluator is not None and self.val is not None:
             old_val = self.evaluator.get_iterator('main')
             begin, end = shard_bounds(len(self.val), self.comm.size,

@@ -4,6 +4,7 @@ import time
 import warnings
 import weakref
 
+import chainer
 import numpy
 from chainer.dataset import iterator
 from chainer.iterators import MultiprocessIterator
@@ -487,12 +488,17 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             except KeyError:
                 serializer('_order', order)
         next_order = self._state.next_order
-        if next_order is not None:
+        if isinstance(serializer, chainer.serializer.Deserializer):
+            # Read into nothing: a state without it (a MultiprocessIterator
+            # snapshot, or a partial state read with strict=False) draws it
+            # again from the order read, never keeps the one drawn before.
+            next_order = None
+        elif next_order is not None:
             next_order = next_order.copy()
         try:
             next_order = serializer('next_order', next_order)
         except KeyError:
-            next_order = None  # a MultiprocessIterator snapshot: draw it now
+            next_order = None
         self._reset_state(current_position, epoch, is_new_epoch, order,
                           next_order)
         try:

@@ -1,19 +1,23 @@
 """The pure core of fault tolerance: no MPI, no processes, no files.
 
-How the learning rate follows the number of ranks, how a dataset is split
-over the ranks (the same split as ``chainermn.scatter_dataset``), where an
-iterator resumes after a re-split, which original ranks the replacement
-processes take, who takes which rank when warm spares are merged in, the
-order of each rank's examples in each epoch, and which snapshot a restart
-loads.
+How the learning rate follows the number of ranks, which original ranks
+the replacement processes take, who takes which rank when warm spares are
+merged in, the order of each rank's examples in each epoch, and which
+snapshot a restart loads.  How the examples are split over the ranks, at
+any size, is :mod:`chainer_prefetch.policy.epoch_plan`'s.
 """
-import hashlib
 import math
 import os
 import re
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy
+
+from chainer_prefetch.policy.epoch_plan import (  # noqa: F401 (their home)
+    RankOrderSampler,
+    shard_bounds,
+    shard_order,
+)
 
 LrRule = Callable[[float, int, int], float]
 """``rule(lr, old_size, new_size) -> new lr``."""
@@ -70,43 +74,6 @@ def _check_sizes(old_size: int, new_size: int) -> None:
     if old_size < 1 or new_size < 1:
         raise ValueError('sizes must be positive, got {} -> {}'.format(
             old_size, new_size))
-
-
-def shard_order(n_examples: int,
-                seed: Optional[int]) -> Optional[numpy.ndarray]:
-    """The permutation ``chainermn.scatter_dataset(shuffle=True, seed=seed)``
-    applies before splitting (``None``: no shuffle)."""
-    if seed is None:
-        return None
-    return numpy.random.RandomState(seed).permutation(n_examples)
-
-
-def shard_bounds(n_examples: int, size: int, rank: int) -> Tuple[int, int]:
-    """``(begin, end)`` of ``rank``'s shard, as ``chainermn.scatter_dataset``
-    computes it with ``force_equal_length=True`` (equal lengths; the last
-    shards may wrap around and repeat examples).
-
-    Raises:
-        ValueError: ``rank`` outside ``[0, size)``.
-    """
-    if not 0 <= rank < size:
-        raise ValueError('rank {} outside [0, {})'.format(rank, size))
-    length = (n_examples + size - 1) // size
-    begin = n_examples * rank // size
-    return begin, begin + length
-
-
-def resume_position(position: int, old_length: int, new_length: int) -> int:
-    """Where an iterator over a re-split shard resumes within the epoch.
-
-    The same fraction of the epoch is kept: ``position`` examples of a shard
-    of ``old_length`` become ``round(position * new_length / old_length)``
-    of the new shard (clamped to ``[0, new_length)``).
-    """
-    if old_length <= 0 or new_length <= 0:
-        raise ValueError('shard lengths must be positive')
-    moved = int(round(position * new_length / old_length))
-    return max(0, min(new_length - 1, moved))
 
 
 def failed_ranks(old_size: int, survivor_ranks: Sequence[int]) -> List[int]:
@@ -175,35 +142,6 @@ def split_key(role: int, pool_index: int) -> Tuple[int, int]:
     communicator (color 0, ordered by training rank) and leaves the spares
     apart (color 1, pool order)."""
     return (1, pool_index) if role == SPARE else (0, role)
-
-
-class RankOrderSampler:
-    """A Chainer order sampler whose orders any process can recompute.
-
-    The order of an epoch is a permutation seeded by ``(seed, rank)`` and the
-    previous epoch's order, so the order of every epoch of every rank is a
-    pure function (:func:`epoch_order`): a replacement continues the failed
-    rank's epoch with exactly its order, and the union of what all ranks see
-    in that epoch stays the epoch.  ``current_position`` is ignored.
-
-    Args:
-        seed: Seed of the job.
-        rank: The rank whose orders this sampler draws.
-    """
-
-    def __init__(self, seed: int, rank: int):
-        self.seed = int(seed)
-        self.rank = int(rank)
-
-    def __call__(self, current_order: numpy.ndarray,
-                 current_position: int) -> numpy.ndarray:
-        digest = hashlib.sha1(numpy.asarray(
-            [self.seed, self.rank, len(current_order)], numpy.int64).tobytes())
-        digest.update(numpy.ascontiguousarray(current_order,
-                                              numpy.int64).tobytes())
-        state = numpy.random.RandomState(
-            int.from_bytes(digest.digest()[:4], 'little'))
-        return state.permutation(len(current_order))
 
 
 def epoch_order(n_examples: int, seed: int, rank: int,

@@ -15,18 +15,20 @@ without a rollback:
   a collective may have completed on some ranks and failed on others).
   Afterwards the training ranks top the pool up to the wanted number of
   spares, and before every update they check that no spare has died.
-* ``shrink``: the survivors re-split the dataset over the new size (the
-  split of ``chainermn.scatter_dataset``), resume at the same fraction of
-  the epoch, and scale the learning rate with a rule (linear by default).
+* ``shrink``: the survivors plan the rest of the epoch for the new size
+  (:func:`~chainer_prefetch.policy.epoch_plan.replan`: the examples no
+  committed update consumed are split over the survivors exactly once, each
+  first keeping what it had still to train on) and scale the learning rate
+  with a rule (linear by default).
 
-Exact epochs after a respawn: every rank's training iterator draws its
-orders with :class:`~chainer_prefetch.resilience.policy.RankOrderSampler`,
-so any process can recompute any rank's order of any epoch.  Each update
-first notes the iterator position; after a failure every rank goes back to
-the position before the failed update (the sender's, the same on all ranks
-since the shards have equal lengths) with its own order of that epoch, and
-the update is retried.  So no example of the epoch is skipped or repeated,
-the replacement's included.
+Exact epochs: every rank's training iterator is a
+:class:`~chainer_prefetch.iterators.planned_iterator.PlannedIterator`
+(:func:`train_iterator`), whose plan tells every rank's order of every
+epoch.  After a failure every rank goes back to the last update the sender
+committed -- the batches of the aborted update, on every rank, dead or
+alive, are not consumed -- and the update is retried, on the same plan
+(respawn) or on the survivors' new one (shrink).  So no example of the epoch
+is skipped or repeated, the replacement's included.
 
 Every rank holds the whole (small) example lists, so any rank can build any
 shard and the replacements get them with the state.
@@ -39,6 +41,8 @@ import chainer
 import numpy
 from chainer.serializers import DictionarySerializer, NpzDeserializer
 
+from chainer_prefetch.iterators.planned_iterator import PlannedIterator, ShardIteratorFactory
+from chainer_prefetch.policy.epoch_plan import EpochPlan, held_masks, replan
 from chainer_prefetch.resilience import policy, recovery
 from chainer_prefetch.resilience.communicator import FaultTolerantCommunicator, revoke
 from chainer_prefetch.resilience.errors import ProcessFailure
@@ -46,11 +50,7 @@ from chainer_prefetch.resilience.injection import EventLog
 from chainer_prefetch.resilience.spares import SparePool, Takeover
 
 STRATEGIES = ('respawn', 'shrink')
-POSITION_KEYS = ('current_position', 'epoch', 'is_new_epoch',
-                 'previous_epoch_detail')
 
-TrainIteratorFactory = Callable[[Any, Any], Any]
-"""``factory(shard_dataset, order_sampler) -> iterator``."""
 IteratorFactory = Callable[[Any], Any]
 """``factory(shard_dataset) -> iterator``."""
 
@@ -92,29 +92,25 @@ def shard(dataset, size: int, rank: int, seed: Optional[int]):
         dataset, begin, end, policy.shard_order(len(dataset), seed))
 
 
-def iterator_position(iterator) -> Dict[str, numpy.ndarray]:
-    """Where ``iterator`` is in its epochs (no order; cheap, no reset)."""
-    previous = iterator.previous_epoch_detail
-    return dict(current_position=numpy.asarray(iterator.current_position),
-                epoch=numpy.asarray(iterator.epoch),
-                is_new_epoch=numpy.asarray(iterator.is_new_epoch),
-                previous_epoch_detail=numpy.asarray(
-                    -1. if previous is None else previous))
+def train_iterator(dataset, make_iterator: ShardIteratorFactory,
+                   batch_size: int, comm, seed: Optional[int]
+                   ) -> PlannedIterator:
+    """This rank's training iterator at the start of a job: over the shard
+    of ``chainermn.scatter_dataset(dataset, shuffle=seed is not None,
+    seed=seed)``, with orders every rank can recompute.
 
-
-def move_iterator(iterator, position: Dict[str, Any],
-                  order: Optional[numpy.ndarray]) -> None:
-    """Puts ``iterator`` at ``position`` with ``order`` for that epoch (its
-    next order, if it keeps one, is drawn again by its sampler)."""
-    state = {key: numpy.asarray(position[key]) for key in POSITION_KEYS}
-    if order is not None:
-        state['order'] = numpy.asarray(order)
-    load_state(iterator, state)
-
-
-def order_sampler(seed: Optional[int], rank: int) -> policy.RankOrderSampler:
-    """The order sampler of ``rank``'s training iterator (seed None: 0)."""
-    return policy.RankOrderSampler(0 if seed is None else seed, rank)
+    Args:
+        dataset: The whole training dataset.
+        make_iterator: ``factory(shard, order_sampler) -> iterator``.
+        batch_size: Examples per rank per update.
+        comm: The communicator (its size and rank).
+        seed: Seed of the shuffle before splitting and of the orders (None:
+            no shuffle, orders seeded with 0).
+    """
+    return PlannedIterator.start(dataset, make_iterator, batch_size,
+                                 comm.size, comm.rank,
+                                 0 if seed is None else seed,
+                                 shuffle=seed is not None)
 
 
 class FaultTolerantTraining:
@@ -129,8 +125,9 @@ class FaultTolerantTraining:
         train: The whole training dataset (every rank holds it).
         val: The whole validation dataset, or None.
         make_train_iterator: Builds the training iterator over a shard
-            with an order sampler (:func:`order_sampler`; use it, or the
-            epochs after a respawn are not exact).
+            with an order sampler (``factory(shard, order_sampler)``); the
+            updater's ``'main'`` iterator must be a :class:`PlannedIterator`
+            made with it (:func:`train_iterator`).
         make_val_iterator: Builds a validation iterator over a shard (the
             old one is finalized when replaced).
         evaluator: The multi-node evaluator extension, or None.
@@ -156,7 +153,7 @@ class FaultTolerantTraining:
 
     def __init__(self, comm: FaultTolerantCommunicator, strategy: str, model,
                  optimizer, updater, train, val,
-                 make_train_iterator: TrainIteratorFactory,
+                 make_train_iterator: ShardIteratorFactory,
                  make_val_iterator: Optional[IteratorFactory] = None,
                  evaluator=None, trainer=None, seed: Optional[int] = 0,
                  lr_rule: Union[str, policy.LrRule] = 'linear',
@@ -169,6 +166,12 @@ class FaultTolerantTraining:
                 ', '.join(STRATEGIES), strategy))
         if spares and strategy != 'respawn':
             raise ValueError('spares are for the respawn strategy')
+        if not isinstance(updater.get_iterator('main'), PlannedIterator):
+            raise TypeError(
+                "the updater's 'main' iterator must be a PlannedIterator "
+                '(resilience.training.train_iterator(...)) so that every '
+                'rank can recompute what every rank consumed; got {}'.format(
+                    type(updater.get_iterator('main')).__name__))
         self.comm = comm
         self.strategy = strategy
         self.model = model
@@ -191,7 +194,6 @@ class FaultTolerantTraining:
         self.recoveries: List[Dict[str, Any]] = []
         self._resumed_after_recovery = None  # False: recovered, not resumed
         self._top_up_due = False
-        self._position: Optional[Dict[str, numpy.ndarray]] = None
         self.pool = pool
         if strategy == 'respawn' and pool is None:
             heartbeat = (None if comm.watchdog is None
@@ -219,13 +221,10 @@ class FaultTolerantTraining:
             while True:
                 try:
                     self._between_updates()
-                    self._position = iterator_position(
-                        self.updater.get_iterator('main'))
                     result = function(*args, **kwargs)
                 except ProcessFailure as failure:
                     self.recover(failure)
                     continue
-                self._position = None
                 if self._resumed_after_recovery is False:
                     # Back in the training loop: the first iteration done.
                     self._resumed_after_recovery = True
@@ -305,9 +304,13 @@ class FaultTolerantTraining:
         if self.comm.rank == root:
             package = self.state_package(with_examples=replaced)
         package = self.comm.bcast_obj(package, root=root)
+        if not replaced:
+            package['plan'] = self._shrunk_plan(package, repair.survivors)
         self.load_package(package, newcomer=False)
         if not replaced:
-            self._reshard(old_size, package['position'])
+            self._shrink_validation()
+            self.optimizer.lr = self.lr_rule(self.optimizer.lr, old_size,
+                                             self.comm.size)
         record = dict(
             strategy=self.strategy, old_rank=old_rank, new_rank=self.comm.rank,
             size_before=old_size, size=self.comm.size, failed=failed,
@@ -339,48 +342,33 @@ class FaultTolerantTraining:
                             and self.pool.spares < self.pool.wanted)
 
     def state_package(self, with_examples: bool = True) -> Dict[str, Any]:
-        """What a rank needs to continue: setup, model, optimizer,
-        iteration, learning rate, the iterator position before the update
-        that failed (and the whole iterator state for a replacement of an
-        iterator without a :class:`~chainer_prefetch.resilience.policy.
-        RankOrderSampler`), the report log and (for replacements) the
-        example lists."""
-        iterator = self.updater.get_iterator('main')
+        """What a rank needs to continue: setup, model, optimizer, the
+        iteration of the last committed update, learning rate, the epoch
+        plan, the report log and (for replacements) the example lists."""
         package = dict(
             setup=self.setup, model=to_state(self.model),
             optimizer=to_state(self.optimizer.actual_optimizer),
             iteration=self.updater.iteration, lr=self.optimizer.lr,
             size=self.comm.size,
-            position=(self._position if self._position is not None
-                      else iterator_position(iterator)))
+            plan=self.updater.get_iterator('main').plan.to_arrays())
         if with_examples:
             package.update(train=self.train, val=self.val)
-            if not isinstance(getattr(iterator, 'order_sampler', None),
-                              policy.RankOrderSampler):
-                package['iterator'] = to_state(iterator)
             if self.reports is not None:
                 package['reports'] = self.reports.state()
         return package
 
     def load_package(self, package: Dict[str, Any], newcomer: bool) -> None:
-        """Loads model, optimizer, iteration, learning rate and the iterator
-        position; a newcomer also takes the report log and skips the first
-        broadcast of ``create_multi_node_optimizer`` (its model is already
-        in sync)."""
+        """Loads model, optimizer, iteration and learning rate, and puts the
+        training iterator at the package's iteration of its plan; a newcomer
+        also takes the report log and skips the first broadcast of
+        ``create_multi_node_optimizer`` (its model is already in sync)."""
         load_state(self.model, package['model'])
         load_optimizer_state(self.optimizer.actual_optimizer,
                              package['optimizer'])
-        self.updater.iteration = int(package['iteration'])
+        iteration = self.updater.iteration = int(package['iteration'])
         self.optimizer.lr = package['lr']
-        iterator = self.updater.get_iterator('main')
-        sampler = getattr(iterator, 'order_sampler', None)
-        if isinstance(sampler, policy.RankOrderSampler):
-            position = package['position']
-            move_iterator(iterator, position, policy.epoch_order(
-                len(iterator.dataset), sampler.seed, sampler.rank,
-                int(position['epoch'])))
-        elif newcomer and 'iterator' in package:
-            load_state(iterator, package['iterator'])
+        self.updater.get_iterator('main').follow(
+            EpochPlan.from_arrays(package['plan']), self.comm.rank, iteration)
         if newcomer:
             self._after_repair()
             if self.reports is not None and 'reports' in package:
@@ -389,30 +377,25 @@ class FaultTolerantTraining:
             if self.trainer is not None:
                 resync_triggers(self.trainer)
 
-    def _reshard(self, old_size: int, position: Dict[str, Any]) -> None:
-        """After shrink: new shards, same fraction of the epoch, new lr."""
-        size, rank = self.comm.size, self.comm.rank
-        old_iterator = self.updater.get_iterator('main')
-        old_length = len(old_iterator.dataset)
-        sampler = order_sampler(self.seed, rank)
-        train_iterator = self.make_train_iterator(
-            shard(self.train, size, rank, self.seed), sampler)
-        new_length = len(train_iterator.dataset)
-        moved = policy.resume_position(int(position['current_position']),
-                                       old_length, new_length)
-        epoch = int(position['epoch'])
-        move_iterator(train_iterator, dict(
-            current_position=moved, epoch=epoch, is_new_epoch=False,
-            previous_epoch_detail=epoch + moved / new_length),
-            policy.epoch_order(new_length, sampler.seed, rank, epoch))
-        self.updater._iterators['main'] = train_iterator
-        old_iterator.finalize()
-        if self.evaluator is not None and self.val is not None:
-            old_val = self.evaluator.get_iterator('main')
-            self.evaluator._iterators['main'] = self.make_val_iterator(
-                shard(self.val, size, rank, None))
-            old_val.finalize()
-        self.optimizer.lr = self.lr_rule(self.optimizer.lr, old_size, size)
+    def _shrunk_plan(self, package: Dict[str, Any],
+                     survivors: List[int]) -> Dict[str, numpy.ndarray]:
+        """The plan of the survivors (their original ranks, in order) from
+        the package's iteration on: each first keeps what it had still to
+        train on."""
+        old = EpochPlan.from_arrays(package['plan'])
+        held = held_masks(old, [str(rank) for rank in range(old.size)],
+                          [str(rank) for rank in survivors])
+        return replan(old, int(package['iteration']), len(survivors),
+                      held).to_arrays()
+
+    def _shrink_validation(self) -> None:
+        """The validation iterator over this rank's shard of the new size."""
+        if self.evaluator is None or self.val is None:
+            return
+        old_val = self.evaluator.get_iterator('main')
+        self.evaluator._iterators['main'] = self.make_val_iterator(
+            shard(self.val, self.comm.size, self.comm.rank, None))
+        old_val.finalize()
 
 
 def _spare_note(details: Dict[str, Any]) -> str:

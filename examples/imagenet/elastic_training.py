@@ -113,10 +113,13 @@ def train_elastic(args, example):
             example.ARCHS[args.arch](n_class=n_class))
         optimizer = example.make_optimizer(args, model, comm)
         train_iterator, val_iterator = example.shard_iterator_factories(args)
+        train, converter = example.with_example_log(args, train,
+                                                    lambda: updater)
         # Placeholders: ElasticTraining builds the real iterators over this
         # member's shard when the group is formed.
         updater = training.updaters.StandardUpdater(
-            chainer.iterators.SerialIterator(train, args.batchsize), optimizer)
+            chainer.iterators.SerialIterator(train, args.batchsize), optimizer,
+            converter=converter)
         trainer = training.Trainer(updater, (args.epoch, 'epoch'), args.out)
         evaluator = chainermn.create_multi_node_evaluator(
             extensions.Evaluator(chainer.iterators.SerialIterator(
@@ -132,6 +135,8 @@ def train_elastic(args, example):
             lr_rule=args.lr_rule, locality=locality, epochs=args.epoch,
             keep_local=not args.elastic_plain_split, on_event=on_event)
         trainer.run()
+        if args.example_log:
+            converter.log.write('finished', iteration=updater.iteration)
         events.write('finished', iteration=updater.iteration, size=comm.size,
                      params_sha1=example._parameters_digest(model),
                      storage=storage_reads(updater.get_iterator('main')))

@@ -255,6 +255,11 @@ def parse_args(argv=None):
                         help='log and validate every 10 iterations')
     parser.add_argument('--progress', action='store_true',
                         help='show a progress bar on rank 0')
+    parser.add_argument('--example-log', default=None, metavar='PATH',
+                        help='append the training-set indices of every '
+                             'attempted update to PATH (--fault-tolerance '
+                             'and --elastic; counted by chainer_prefetch_bench.'
+                             'testbed.exactly_once)')
     add_fault_tolerance_arguments(parser)
     add_elastic_arguments(parser)
     return parser.parse_args(argv)
@@ -645,11 +650,14 @@ def train_fault_tolerant(args):
     model = chainer.links.Classifier(ARCHS[args.arch](n_class=n_class))
     optimizer = make_optimizer(args, model, comm)
     train_iterator, val_iterator = shard_iterator_factories(args)
+    train, converter = with_example_log(args, train, lambda: updater)
+    # Every rank can recompute every rank's orders (exact epochs through a
+    # recovery), and a snapshot holds the whole group's progress (a restart
+    # at any size resumes every example exactly once).
     updater = training.updaters.StandardUpdater(
-        train_iterator(ft_training.shard(train, comm.size, comm.rank,
-                                         args.seed),
-                       ft_training.order_sampler(args.seed, comm.rank)),
-        optimizer, device=device)
+        ft_training.train_iterator(train, train_iterator, args.batchsize,
+                                   comm, args.seed),
+        optimizer, converter=converter, device=device)
     trainer = training.Trainer(updater, (args.epoch, 'epoch'), args.out)
     interval = (10, 'iteration') if args.test else (1, 'epoch')
     evaluator = chainermn.create_multi_node_evaluator(
@@ -710,9 +718,23 @@ def train_fault_tolerant(args):
         sys.stderr.flush()
         comm.close()
         os._exit(1)
+    if args.example_log:
+        converter.log.write('finished', iteration=updater.iteration)
     events.write('finished', iteration=updater.iteration, size=comm.size,
                  params_sha1=_parameters_digest(model))
     comm.close()
+
+
+def with_example_log(args, train, updater_of):
+    """``(train, converter)``: with ``--example-log``, the training set
+    with each example's index and the converter that logs them
+    (``chainer_prefetch_bench.testbed.exactly_once``); else both
+    unchanged."""
+    if not args.example_log:
+        return train, chainer.dataset.concat_examples
+    from chainer_prefetch_bench.testbed.exactly_once import IndexedDataset, logging_converter
+    return IndexedDataset(train), logging_converter(args.example_log,
+                                                    updater_of)
 
 
 def snapshot_trigger(args):
