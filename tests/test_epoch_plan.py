@@ -286,3 +286,53 @@ def test_an_iterator_follows_the_plan(make, change):
             + [plan.sequence_of(member, e)
                for e in range(plan.epoch + 1, plan.epoch + 15)])[:90]
         numpy.testing.assert_array_equal(seen, expected)
+
+
+def _snapshot(iterator):
+    serializer = chainer.serializers.DictionarySerializer()
+    iterator.serialize(serializer)
+    return serializer.target
+
+
+@pytest.mark.parametrize('size', [3, 2, 4])
+def test_a_snapshot_resumes_the_group_at_any_size(size):
+    """Rank 0's snapshot after 7 updates of 3 ranks (epoch 1) resumes a
+    group of ``size``: what they train on next is exactly what the three
+    had not used of the epoch."""
+    ranks = [PlannedIterator.start(numpy.arange(50), serial, 3, 3, rank,
+                                   seed=2) for rank in range(3)]
+    # 17 examples per rank and epoch: 7 batches of 3 are epoch 0 and the
+    # first 4 of epoch 1.
+    streams = [numpy.concatenate([iterator.next() for _ in range(7)])
+               for iterator in ranks]
+    used = numpy.zeros(50, bool)
+    for stream in streams:
+        used[stream[17:]] = True
+    state = _snapshot(ranks[0])
+    resumed = [PlannedIterator.start(numpy.arange(50), serial, 3, size, rank)
+               for rank in range(size)]
+    for iterator in resumed:
+        iterator.serialize(chainer.serializers.NpzDeserializer(state))
+    assert resumed[0].iteration == 7 and resumed[0].epoch == 1
+    rest = []
+    for iterator in resumed:
+        while iterator.epoch == 1:
+            batch = iterator.next()
+            if iterator.epoch == 2:  # the batch crossed into epoch 2
+                batch = batch[:len(batch) - iterator.current_position]
+            rest.extend(batch)
+    counts = numpy.bincount(rest, minlength=50) + used
+    assert (counts >= 1).all() and (counts - 1).sum() <= size - 1
+
+
+def test_a_snapshot_that_cannot_be_resumed_says_why():
+    iterator = PlannedIterator.start(numpy.arange(5), serial, 3, 3, 0)
+    state = _snapshot(iterator)
+    big = PlannedIterator.start(numpy.arange(6), serial, 3, 2, 0)
+    with pytest.raises(ValueError, match='dataset of 5 examples, this job '
+                                         'has 6'):
+        big.serialize(chainer.serializers.NpzDeserializer(state))
+    chainers = _snapshot(chainer.iterators.SerialIterator(numpy.arange(5),
+                                                          3))
+    with pytest.raises(ValueError, match='written by another iterator'):
+        iterator.serialize(chainer.serializers.NpzDeserializer(chainers))
