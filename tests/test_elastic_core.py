@@ -29,6 +29,7 @@ from chainer_prefetch.elastic.plan import (  # NOQA: E402
     node_layout,
     rendezvous_step,
     signature_mismatch,
+    silent_members,
 )
 from chainer_prefetch.elastic.policy import Progress, decide, parse_policy  # NOQA: E402
 
@@ -111,6 +112,16 @@ def test_rendezvous_steps():
     for verdict in ('fail', 'done'):
         end = Record(4, verdict, (), (), None, 'why', A)
         assert rendezvous_step(B, view, end, 3).action == verdict
+
+
+def test_members_that_do_not_come_to_a_rebuild_are_left_out_after_grace():
+    broken = Record(4, 'ok', (A, B, C), (D,), 'x:1', '', A)
+    left = {A: 4, C: 3, D: -1}  # B never came (killed); C still in gen 3
+    assert silent_members(broken, left, A, 0.2, 0.5) == frozenset()
+    assert silent_members(broken, left, A, 0.6, 0.5) == {B, C}
+    assert silent_members(broken, {**left, C: 4}, A, 0.6, 0.5) == {B}
+    assert silent_members(broken, {}, B, 0.6, 0.5) == {A, C}  # never me
+    assert silent_members(None, left, A, 9.0, 0.5) == frozenset()
 
 
 def test_node_layout():

@@ -118,6 +118,26 @@ def test_leave_by_sigkill(etcd, job):
     j.assert_clean(etcd)
 
 
+def test_a_killed_member_is_left_behind_without_waiting_for_its_lease(
+        etcd, job):
+    """With a lease of 10 s the survivors train at size 2 long before the
+    dead member's key expires: they leave out the member that did not come
+    to the rebuild after ``loss_grace``."""
+    j = job('--policy', 'minmax:1', '--epochs', '5', '--ttl', '10')
+    members, pids = _start_training(j, 3)
+    members[1].send_signal(signal.SIGKILL)
+    killed = time.time()
+    survivors = [pids[0], pids[2]]
+    j.wait_for(lambda j: all(2 in j.resumed_sizes(p) for p in survivors),
+               60, 'the survivors at size 2')
+    back = max(e['time'] for e in j.events('resumed') if e['size'] == 2)
+    assert back - killed < 8, back - killed
+    codes = j.wait(JOB_TIMEOUT)
+    assert codes[0] == 0 and codes[2] == 0 and codes[1] == -signal.SIGKILL
+    _finished_identically(j, survivors, size=2)
+    j.assert_clean(etcd)
+
+
 def test_hung_member_is_left_behind_and_rejoins(etcd, job):
     j = job('--policy', 'minmax:1', '--epochs', '6')
     _, pids = _start_training(j, 3)

@@ -111,6 +111,8 @@ class ElasticCommunicator(CommunicatorBase):
         self._leader_store: Optional[TCPStore] = None
         self._rejoins = 0
         self._blocked: Optional[Tuple[frozenset, float]] = None
+        # Members left out of a broken group, and its generation.
+        self._silent: Optional[Tuple[frozenset, int]] = None
         self._layout = (0, 1, 0, 1)
         self.membership = Membership(self.url, self.settings,
                                      signature or {})
@@ -176,13 +178,28 @@ class ElasticCommunicator(CommunicatorBase):
         problem = self._group_problem(self.record)
         if problem:
             return problem
-        view = self.membership.settled_view()
+        view = self._without_silent(self.membership.settled_view())
         if view is not None and view != self.record.everyone:
             joined = sorted(view - self.record.everyone)
             left = sorted(self.record.everyone - view)
             return 'membership changed (joined: {}; left: {})'.format(
                 ', '.join(joined) or '-', ', '.join(left) or '-')
         return None
+
+    def _still_silent(self) -> frozenset:
+        """The members left out of a broken group for not coming to its
+        rebuild (:func:`~.plan.silent_members`) that have not come since."""
+        if not self._silent:
+            return frozenset()
+        silent, generation = self._silent
+        left = self.membership.left()
+        return frozenset(member for member in silent
+                         if left.get(member, -1) < generation)
+
+    def _without_silent(self, view):
+        """``view`` without the members still silent (their keys live on
+        until their leases expire)."""
+        return view if view is None else view - self._still_silent()
 
     def rebuild(self, failed: bool = False) -> plan.Record:
         """Leaves the current group and joins the next one.
@@ -199,13 +216,15 @@ class ElasticCommunicator(CommunicatorBase):
             ScaleFailed, JobFinished, EtcdUnavailable: see the class.
         """
         started = time.monotonic()
+        broken = None
         if self.record is not None:
             if failed:
+                broken = self.record
                 self._blocked = (self.record.everyone,
                                  started + 2 * self.settings.ttl)
             self.rebuilds += 1
         self._leave_group()
-        self.membership.announce(self.progress)
+        self.membership.announce(self.progress, self.generation)
         after = self.generation
         holding_since = None
         while True:
@@ -213,9 +232,15 @@ class ElasticCommunicator(CommunicatorBase):
             blocked = None
             if self._blocked and time.monotonic() < self._blocked[1]:
                 blocked = self._blocked[0]
-            step = plan.rendezvous_step(
-                self.member, membership.settled_view(), membership.latest(),
-                after, blocked)
+            waited = time.monotonic() - started
+            silent = plan.silent_members(broken, membership.left(),
+                                         self.member, waited,
+                                         self.settings.loss_grace)
+            if silent:
+                self._silent = (silent, broken.generation)
+            view = self._without_silent(membership.settled_view())
+            step = plan.rendezvous_step(self.member, view, membership.latest(),
+                                        after, blocked)
             if step.action != 'hold':
                 holding_since = None
             if step.action == 'join':
@@ -228,7 +253,7 @@ class ElasticCommunicator(CommunicatorBase):
                 self._blocked = (frozenset(step.record.members),
                                  time.monotonic() + 2 * self.settings.ttl)
             elif step.action == 'decide':
-                self._decide(step.generation, membership.settled_view())
+                self._decide(step.generation, view)
             elif step.action == 'fail':
                 raise ScaleFailed('job {!r} ended by its scale policy: {}'
                                   .format(self.url.job, step.record.reason))
@@ -245,7 +270,10 @@ class ElasticCommunicator(CommunicatorBase):
                             'job {!r}: the scale policy kept it waiting for '
                             '{:.0f} s (wait_timeout): {}'.format(
                                 self.url.job, waited, step.record.reason))
-                membership.wait_for_change(0.5)
+                grace_left = self.settings.loss_grace - waited
+                membership.wait_for_change(
+                    min(0.5, grace_left) if broken and grace_left > 0
+                    else 0.5)
 
     def _decide(self, generation: int, view) -> None:
         """The leader asks the policy and publishes the decision."""
@@ -573,8 +601,15 @@ class ElasticCommunicator(CommunicatorBase):
 
     def close(self) -> None:
         """Leaves the group and the job; the last member deletes the job's
-        keys (idempotent; also run at exit)."""
+        keys (idempotent; also run at exit).  The keys of members still
+        silent (left out of a broken group) are deleted first: they would
+        keep the job's keys until their leases expire (a live one puts its
+        key again when it comes to its rebuild)."""
         self._leave_group()
+        try:
+            self.membership.forget(self._still_silent())
+        except Exception:  # etcd gone: the leases expire by themselves
+            pass
         self.membership.close()
         atexit.unregister(self.close)
 

@@ -77,6 +77,7 @@ class Membership:
         self._view: FrozenSet[str] = frozenset()
         self._latest: Optional[Record] = None
         self._progress: Dict[str, dict] = {}
+        self._left: Dict[str, int] = {}
         self.ran = False
         self._error: Optional[BaseException] = None
         self._stop = threading.Event()
@@ -85,6 +86,7 @@ class Membership:
         self._job_lease = self._join_job()
         self._lease = None
         self._last_progress: Optional[Progress] = None
+        self._last_left = -1
         try:
             self._register()
             self._read()
@@ -135,14 +137,17 @@ class Membership:
                                                          self.url))
             time.sleep(0.1)  # the job is ending: its config will go
 
-    def _register(self, progress: Optional[Progress] = None) -> None:
+    def _register(self, progress: Optional[Progress] = None,
+                  left: int = -1) -> None:
         if self._lease is None or self._lease.refresh() <= 0:
             self._lease = self.client.lease(self.settings.ttl)
         value = dict(host=socket.gethostname(), pid=os.getpid(),
-                     progress=None if progress is None else progress._asdict())
+                     progress=None if progress is None else progress._asdict(),
+                     left=left)
         self.client.put(self._key('members', self.name), json.dumps(value),
                         lease=self._lease)
         self._last_progress = progress
+        self._last_left = left
 
     def _latest_record(self) -> Optional[Record]:
         records = self.client.get_prefix(self._key('gen/'),
@@ -154,13 +159,15 @@ class Membership:
 
     def _read(self) -> None:
         """Reads members and the latest record; feeds the settle window."""
-        view, latest, progress, ran = set(), None, {}, False
+        view, latest, progress, left, ran = set(), None, {}, {}, False
         for value, meta in self.client.get_prefix(self.prefix):
             key = _text(meta['key'])[len(self.prefix):]
             if key.startswith('members/'):
                 name = key[len('members/'):]
                 view.add(name)
-                progress[name] = json.loads(_text(value)).get('progress')
+                fields = json.loads(_text(value))
+                progress[name] = fields.get('progress')
+                left[name] = fields.get('left', -1)
             elif key.startswith('gen/'):
                 record = Record.from_dict(json.loads(_text(value)))
                 ran = ran or record.verdict == 'ok'
@@ -170,6 +177,7 @@ class Membership:
             self._view = frozenset(view)
             self._latest = latest
             self._progress = progress
+            self._left = left
             self.ran = ran
             self._window.observe(self._view, time.monotonic())
             self._changed.notify_all()
@@ -214,7 +222,7 @@ class Membership:
             # Expired (this process was stopped or cut off for longer than
             # the lease): register again; the current group is void.
             self.rejoins += 1
-            self._register(self._last_progress)
+            self._register(self._last_progress, self._last_left)
         self._job_lease.refresh()
 
     def _on_event(self, event) -> None:
@@ -281,10 +289,15 @@ class Membership:
                             self.url.job, what, error)) from error
                 time.sleep(0.2)
 
-    def announce(self, progress: Progress) -> None:
+    def announce(self, progress: Progress, left: int = -1) -> None:
         """Publishes this member's training progress (at each rebuild), for
-        the leader's policy."""
-        self._retrying('announce', self._register, progress)
+        the leader's policy, and the generation it is leaving."""
+        self._retrying('announce', self._register, progress, left)
+
+    def left(self) -> Dict[str, int]:
+        """Per member, the newest generation it announced leaving."""
+        self.check()
+        return dict(self._left)
 
     def furthest_progress(self, members, own: Progress) -> Progress:
         """The progress of the member of ``members`` furthest ahead."""
@@ -313,6 +326,13 @@ class Membership:
             return probe.getsockname()[0]
 
     # ---- the end -----------------------------------------------------------
+
+    def forget(self, members) -> None:
+        """Deletes the keys of ``members`` (ones known to be gone, at the
+        end of the job; a live one then finds the job done and ends)."""
+        for member in members:
+            self._retrying('forget', self.client.delete,
+                           self._key('members', member))
 
     def close(self) -> None:
         """Stops the thread, deletes this member's key and, if it was the

@@ -4,6 +4,8 @@
   becomes one membership, hence one rebuild.
 * :class:`Record` and :func:`rendezvous_step`: what a member does next in
   a rebuild, given the settled view and the latest generation record.
+* :func:`silent_members`: the members of a broken group that did not
+  come to the rebuild in time (left out of the next one).
 * :func:`node_layout`: intra/inter ranks from the member names.
 * :func:`signature_mismatch`: why a process may not join a job.
 
@@ -156,6 +158,33 @@ def rendezvous_step(me: str, view: Optional[FrozenSet[str]],
     if me == min(view):
         return Step('decide', generation=base + 1)
     return Step('wait')
+
+
+def silent_members(broken: Optional[Record], left: Mapping[str, int],
+                   me: str, waited: float, grace: float) -> FrozenSet[str]:
+    """The members of the group that broke which have not announced that
+    they left it, once this member has waited ``grace`` seconds since it
+    saw the group break (none before).
+
+    Every live member of a broken group comes to the rebuild within about
+    one iteration: its next collective fails as soon as the others have
+    left.  A killed (or stopped) one never does; leaving it out at once,
+    instead of waiting for its lease to expire, is what makes a loss cost
+    ``grace`` seconds.  A live member slower than ``grace`` is left out
+    too and joins again at the next rebuild.
+
+    Args:
+        broken: The record of the group that broke (None: none broke).
+        left: Per member, the newest generation it announced leaving.
+        me: This member (never silent to itself).
+        waited: Seconds since this member saw the group break.
+        grace: How long live members have to come.
+    """
+    if broken is None or waited < grace:
+        return frozenset()
+    return frozenset(member for member in broken.members
+                     if member != me
+                     and left.get(member, -1) < broken.generation)
 
 
 def node_layout(members: Sequence[str], me: str) -> Tuple[int, int, int, int]:

@@ -12,6 +12,11 @@ class ElasticSettings(NamedTuple):
         settle: Settle window: a change of membership is acted on once the
             membership has not changed for this long (a burst of joins
             becomes one rebuild).
+        loss_grace: After a collective failed, the members of the group
+            that have not come to the rebuild within this long are left
+            out of the next group (a killed one never comes; a live member
+            slower than this joins again at the following rebuild), without
+            waiting for their leases.
         collective_timeout: A collective that makes no progress this long
             is abandoned and the group rebuilt (bounds a hung member whose
             key is still alive).
@@ -25,6 +30,7 @@ class ElasticSettings(NamedTuple):
     """
     ttl: int = 3
     settle: float = 1.0
+    loss_grace: float = 0.5
     collective_timeout: float = 60.0
     rendezvous_timeout: float = 60.0
     wait_timeout: float = 600.0
@@ -44,9 +50,10 @@ class ElasticSettings(NamedTuple):
             if not getattr(self, name) > 0:
                 raise ValueError('ElasticSettings.{} must be > 0, got {!r}'
                                  .format(name, getattr(self, name)))
-        if self.settle < 0:
-            raise ValueError('ElasticSettings.settle must be >= 0, got {!r}'
-                             .format(self.settle))
+        for name in ('settle', 'loss_grace'):
+            if getattr(self, name) < 0:
+                raise ValueError('ElasticSettings.{} must be >= 0, got {!r}'
+                                 .format(name, getattr(self, name)))
         if int(self.ttl) != self.ttl:
             raise ValueError('ElasticSettings.ttl must be whole seconds, '
                              'got {!r}'.format(self.ttl))

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 import chainer
 import chainermn
@@ -34,11 +35,16 @@ def add_elastic_arguments(parser):
     group.add_argument('--scale-policy', default='minmax:1',
                        help='minmax:MIN[:MAX], failstop:N or '
                             'package.module:Policy')
-    group.add_argument('--elastic-ttl', type=int, default=5,
+    group.add_argument('--elastic-ttl', type=int, default=3,
                        help='seconds a lost member keeps its key')
-    group.add_argument('--elastic-settle', type=float, default=2.0,
+    group.add_argument('--elastic-settle', type=float, default=1.0,
                        help='seconds the membership must be still before a '
                             'rebuild (a burst of joins = one rebuild)')
+    group.add_argument('--elastic-loss-grace', type=float, default=0.5,
+                       help='seconds the members of a group whose '
+                            'collective failed have to come to the rebuild; '
+                            'the others are left out at once (a live one '
+                            'slower than this joins again afterwards)')
     group.add_argument('--elastic-timeout', type=float, default=60.0,
                        help='bound on a collective without progress and on '
                             'forming a group')
@@ -53,7 +59,16 @@ def add_elastic_arguments(parser):
                        metavar='EVENT:GENERATION',
                        help='SIGKILL this process right after EVENT of '
                             'GENERATION (tests: decided:1 kills the leader '
-                            'mid-rebuild)')
+                            'mid-rebuild), or iteration:N: right after it '
+                            'committed update N (benchmarks: a loss at a '
+                            'known point of an epoch; a "killed" event is '
+                            'logged first)')
+    group.add_argument('--elastic-hold-at', type=int, default=None,
+                       metavar='N',
+                       help='after update N, wait (at most '
+                            '--elastic-wait-timeout) until a membership '
+                            'change is pending (benchmarks: a member started '
+                            'meanwhile joins exactly at update N)')
 
 
 def train_elastic(args, example):
@@ -80,6 +95,7 @@ def train_elastic(args, example):
         policy = parse_policy(args.scale_policy)
         settings = elastic.ElasticSettings(
             ttl=args.elastic_ttl, settle=args.elastic_settle,
+            loss_grace=args.elastic_loss_grace,
             collective_timeout=args.elastic_timeout,
             rendezvous_timeout=args.elastic_timeout,
             wait_timeout=args.elastic_wait_timeout).validated()
@@ -127,6 +143,7 @@ def train_elastic(args, example):
         interval = (10, 'iteration') if args.test else (1, 'epoch')
         trainer.extend(evaluator, trigger=interval)
         trainer.extend(_epoch_event(events, comm), trigger=interval)
+        trainer.extend(_scripted_change(args, comm, events))
         locality = '{}:{}'.format(socket.gethostname(),
                                   os.path.abspath(args.local_dir or '-'))
         run = elastic.ElasticTraining(
@@ -166,6 +183,26 @@ def _epoch_event(events, comm):
                          'validation/main/accuracy')),
                      loss=_number(observation.get('main/loss')))
     return epoch_event
+
+
+def _scripted_change(args, comm, events):
+    """``--elastic-kill-at iteration:N`` and ``--elastic-hold-at N``: a
+    loss or a join at a known update."""
+    kind, _, value = (args.elastic_kill_at or '').partition(':')
+    kill = int(value) if kind == 'iteration' else None
+
+    @training.make_extension(trigger=(1, 'iteration'))
+    def scripted_change(trainer):
+        iteration = trainer.updater.iteration
+        if iteration == kill:
+            events.write('killed', iteration=iteration)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if iteration == args.elastic_hold_at:
+            deadline = time.monotonic() + args.elastic_wait_timeout
+            while (comm.membership_changed() is None
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+    return scripted_change
 
 
 def _number(value):
