@@ -39,9 +39,13 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import chainer
 import numpy
-from chainer.serializers import DictionarySerializer, NpzDeserializer
+from chainer.serializers import NpzDeserializer
 
-from chainer_prefetch.iterators.planned_iterator import PlannedIterator, ShardIteratorFactory
+from chainer_prefetch.iterators.planned_iterator import (
+    PlannedIterator,
+    ShardIteratorFactory,
+    serialized,
+)
 from chainer_prefetch.policy.epoch_plan import EpochPlan, held_masks, replan
 from chainer_prefetch.resilience import policy, recovery
 from chainer_prefetch.resilience.communicator import FaultTolerantCommunicator, revoke
@@ -55,22 +59,15 @@ IteratorFactory = Callable[[Any], Any]
 """``factory(shard_dataset) -> iterator``."""
 
 
-def to_state(target) -> Dict[str, numpy.ndarray]:
-    """Serialises a link, optimizer or iterator into a dict of arrays."""
-    serializer = DictionarySerializer()
-    target.serialize(serializer)
-    return serializer.target
-
-
 def load_state(target, state: Dict[str, Any], keys=None) -> None:
-    """Loads a dict from :func:`to_state` into ``target`` (only ``keys``)."""
+    """Loads a dict from :func:`serialized` into ``target`` (only ``keys``)."""
     if keys is not None:
         state = {k: v for k, v in state.items() if k in keys}
     target.serialize(NpzDeserializer(state, strict=keys is None))
 
 
 def load_optimizer_state(optimizer, state: Dict[str, Any]) -> None:
-    """Loads an optimizer state from :func:`to_state` of another rank.
+    """Loads an optimizer state from :func:`serialized` of another rank.
 
     The sender may not have updated some parameters yet (a failure during
     the first update), so their state is absent: it is reset here too (it
@@ -346,8 +343,8 @@ class FaultTolerantTraining:
         iteration of the last committed update, learning rate, the epoch
         plan, the report log and (for replacements) the example lists."""
         package = dict(
-            setup=self.setup, model=to_state(self.model),
-            optimizer=to_state(self.optimizer.actual_optimizer),
+            setup=self.setup, model=serialized(self.model),
+            optimizer=serialized(self.optimizer.actual_optimizer),
             iteration=self.updater.iteration, lr=self.optimizer.lr,
             size=self.comm.size,
             plan=self.updater.get_iterator('main').plan.to_arrays())
