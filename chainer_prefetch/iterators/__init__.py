@@ -1,2 +1,3 @@
 """Iterators."""
+from chainer_prefetch.iterators.planned_iterator import PlannedIterator  # NOQA
 from chainer_prefetch.iterators.prefetch_multiprocess_iterator import PrefetchMultiprocessIterator  # NOQA
