@@ -35,7 +35,7 @@ import operator
 import pickle
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy
 import torch
@@ -111,8 +111,9 @@ class ElasticCommunicator(CommunicatorBase):
         self._leader_store: Optional[TCPStore] = None
         self._rejoins = 0
         self._blocked: Optional[Tuple[frozenset, float]] = None
-        # Members left out of a broken group, and its generation.
-        self._silent: Optional[Tuple[frozenset, int]] = None
+        # Members left out for not coming to a rebuild: the generation
+        # they did not leave.
+        self._silent: Dict[str, int] = {}
         self._layout = (0, 1, 0, 1)
         self.membership = Membership(self.url, self.settings,
                                      signature or {})
@@ -187,14 +188,31 @@ class ElasticCommunicator(CommunicatorBase):
         return None
 
     def _still_silent(self) -> frozenset:
-        """The members left out of a broken group for not coming to its
-        rebuild (:func:`~.plan.silent_members`) that have not come since."""
+        """The members left out of a group for not coming to its rebuild
+        (:func:`~.plan.silent_members`, by this member or by the leader of
+        a group it joined) that have not come since."""
         if not self._silent:
             return frozenset()
-        silent, generation = self._silent
         left = self.membership.left()
-        return frozenset(member for member in silent
+        return frozenset(member for member, generation in self._silent.items()
                          if left.get(member, -1) < generation)
+
+    def _note_left_out(self, previous: Optional[plan.Record],
+                       record: plan.Record) -> None:
+        """Notes the members of ``previous`` (this member's last group) that
+        ``record``, the group joined, left out and that have not come to the
+        rebuild: the leader found them silent, and their keys live on until
+        their leases expire (forgets those whose keys are gone)."""
+        view = self.membership.view()
+        self._silent = {member: generation
+                        for member, generation in self._silent.items()
+                        if member in view}
+        if previous is None:
+            return
+        left = self.membership.left()
+        for member in set(previous.members) - record.everyone:
+            if member in view and left.get(member, -1) < previous.generation:
+                self._silent.setdefault(member, previous.generation)
 
     def _without_silent(self, view):
         """``view`` without the members still silent (their keys live on
@@ -216,7 +234,7 @@ class ElasticCommunicator(CommunicatorBase):
             ScaleFailed, JobFinished, EtcdUnavailable: see the class.
         """
         started = time.monotonic()
-        broken = None
+        broken, previous = None, self.record
         if self.record is not None:
             if failed:
                 broken = self.record
@@ -236,8 +254,8 @@ class ElasticCommunicator(CommunicatorBase):
             silent = plan.silent_members(broken, membership.left(),
                                          self.member, waited,
                                          self.settings.loss_grace)
-            if silent:
-                self._silent = (silent, broken.generation)
+            for member in silent:
+                self._silent.setdefault(member, broken.generation)
             view = self._without_silent(membership.settled_view())
             step = plan.rendezvous_step(self.member, view, membership.latest(),
                                         after, blocked)
@@ -245,6 +263,7 @@ class ElasticCommunicator(CommunicatorBase):
                 holding_since = None
             if step.action == 'join':
                 if self._form(step.record):
+                    self._note_left_out(previous, step.record)
                     self.on_event('formed', generation=self.generation,
                                   size=self.size, group_rank=self.rank,
                                   seconds=time.monotonic() - started)
