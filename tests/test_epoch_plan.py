@@ -336,3 +336,15 @@ def test_a_snapshot_that_cannot_be_resumed_says_why():
                                                           3))
     with pytest.raises(ValueError, match='written by another iterator'):
         iterator.serialize(chainer.serializers.NpzDeserializer(chainers))
+
+
+def test_reset_goes_back_to_the_start_of_the_plan():
+    iterator = PlannedIterator.start(numpy.arange(20), serial, 3, 2, 1, seed=5)
+    first = iterator.next()
+    iterator.next()
+    iterator.reset()
+    assert iterator.iteration == 0 and iterator.epoch == 0
+    numpy.testing.assert_array_equal(iterator.next(), first)
+    with pytest.raises(ValueError, match='the plan is of 20 examples, the '
+                                         'dataset has 21'):
+        PlannedIterator(numpy.arange(21), serial, iterator.plan, 0)

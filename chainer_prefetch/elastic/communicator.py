@@ -212,7 +212,13 @@ class ElasticCommunicator(CommunicatorBase):
         left = self.membership.left()
         for member in set(previous.members) - record.everyone:
             if member in view and left.get(member, -1) < previous.generation:
-                self._silent.setdefault(member, previous.generation)
+                self._note_silent(member, previous.generation)
+
+    def _note_silent(self, member: str, generation: int) -> None:
+        """Notes that ``member`` did not come to the rebuild after
+        ``generation`` (the newest such generation counts: a member that
+        came back and was lost again is silent again)."""
+        self._silent[member] = max(generation, self._silent.get(member, -1))
 
     def _without_silent(self, view):
         """``view`` without the members still silent (their keys live on
@@ -255,7 +261,7 @@ class ElasticCommunicator(CommunicatorBase):
                                          self.member, waited,
                                          self.settings.loss_grace)
             for member in silent:
-                self._silent.setdefault(member, broken.generation)
+                self._note_silent(member, broken.generation)
             view = self._without_silent(membership.settled_view())
             step = plan.rendezvous_step(self.member, view, membership.latest(),
                                         after, blocked)
@@ -620,13 +626,15 @@ class ElasticCommunicator(CommunicatorBase):
 
     def close(self) -> None:
         """Leaves the group and the job; the last member deletes the job's
-        keys (idempotent; also run at exit).  The keys of members still
-        silent (left out of a broken group) are deleted first: they would
-        keep the job's keys until their leases expire (a live one puts its
-        key again when it comes to its rebuild)."""
+        keys (idempotent; also run at exit).  While members left out for
+        not coming to a rebuild still have keys (a member lost less than
+        ``ttl`` ago), it waits for their leases to expire first (at most
+        ``ttl``), so that the last member sees none and deletes the job's
+        keys."""
         self._leave_group()
         try:
-            self.membership.forget(self._still_silent())
+            self.membership.wait_until_gone(self._still_silent(),
+                                            self.settings.ttl + 1)
         except Exception:  # etcd gone: the leases expire by themselves
             pass
         self.membership.close()

@@ -327,12 +327,12 @@ class Membership:
 
     # ---- the end -----------------------------------------------------------
 
-    def forget(self, members) -> None:
-        """Deletes the keys of ``members`` (ones known to be gone, at the
-        end of the job; a live one then finds the job done and ends)."""
-        for member in members:
-            self._retrying('forget', self.client.delete,
-                           self._key('members', member))
+    def wait_until_gone(self, members, timeout: float) -> None:
+        """Waits until none of ``members`` has a key, at most ``timeout``
+        seconds."""
+        deadline = time.monotonic() + timeout
+        while members & self.view() and time.monotonic() < deadline:
+            self.wait_for_change(min(0.25, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Stops the thread, deletes this member's key and, if it was the

@@ -61,12 +61,12 @@ class PlannedIterator(chainer.dataset.Iterator):
     def __init__(self, dataset, make_iterator: ShardIteratorFactory,
                  plan: EpochPlan, rank: int,
                  iteration: Optional[int] = None):
+        self.iterator = None
         if len(dataset) != plan.n_examples:
             raise ValueError('the plan is of {} examples, the dataset has {}'
                              .format(plan.n_examples, len(dataset)))
         self.dataset = dataset
         self.make_iterator = make_iterator
-        self.iterator = None
         self.follow(plan, rank, iteration)
 
     @classmethod
@@ -166,6 +166,10 @@ class PlannedIterator(chainer.dataset.Iterator):
         if name == 'iterator':
             raise AttributeError(name)
         return getattr(self.iterator, name)
+
+    def reset(self) -> None:
+        """Goes back to the start of the plan it follows."""
+        self.follow(self.plan, self.rank)
 
     def finalize(self) -> None:
         if self.iterator is not None:
