@@ -152,8 +152,9 @@ def table(results, results_dir):
               'Medians, seconds: seen = event until the first member starts '
               'a rebuild (a kill: its peers\' collective fails) or until the '
               'last joiner has registered (a join: process start, imports, '
-              'etcd); decide = until the leader decides (the dead member\'s '
-              'lease must expire, then the settle window); form = until '
+              'etcd); decide = until the leader decides (a kill: the live '
+              'members come to the rebuild and loss_grace passes; a join: '
+              'the settle window); form = until '
               'every member is in the new gloo group; state = until every '
               'member has the model, optimizer state and its new shard.',
               '', '| run | seen | decide | form | state | total |',
