@@ -278,10 +278,8 @@ class ElasticTraining:
         keeping local copies local saves)."""
         size = self.comm.size
         if package['plan'] is None:
-            fresh = start_plan(len(self.train), size,
-                               0 if self.seed is None else self.seed,
-                               self.batch_size, self.seed is not None,
-                               iteration=iteration)
+            fresh = start_plan(len(self.train), size, self.seed,
+                               self.batch_size, iteration=iteration)
             return fresh, [None] * size, fresh
         old = EpochPlan.from_arrays(package['plan'])
         held = held_masks(old, package['localities'], localities)

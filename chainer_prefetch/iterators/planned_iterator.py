@@ -71,7 +71,8 @@ class PlannedIterator(chainer.dataset.Iterator):
 
     @classmethod
     def start(cls, dataset, make_iterator: ShardIteratorFactory,
-              batch_size: int, size: int, rank: int, seed: int = 0,
+              batch_size: int, size: int, rank: int,
+              seed: Optional[int] = 0,
               shuffle: bool = True) -> 'PlannedIterator':
         """The iterator of ``rank`` in a group of ``size`` at the start of a
         job: the shards of ``chainermn.scatter_dataset(dataset, shuffle=
@@ -83,7 +84,8 @@ class PlannedIterator(chainer.dataset.Iterator):
             batch_size: Examples per member per update.
             size: Members of the group.
             rank: This member's rank.
-            seed: Seed of the split and of the orders.
+            seed: Seed of the split and of the orders (None: no shuffle,
+                orders seeded with 0).
             shuffle: Shuffle before splitting.
         """
         return cls(dataset, make_iterator,

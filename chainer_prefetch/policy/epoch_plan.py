@@ -209,7 +209,8 @@ class EpochPlan(NamedTuple):
                    tuple(numpy.asarray(arrays['orders'], numpy.int64)))
 
 
-def start_plan(n_examples: int, size: int, seed: int, batch_size: int,
+def start_plan(n_examples: int, size: int, seed: Optional[int],
+               batch_size: int,
                shuffle: bool = True, iteration: int = 0,
                epoch: int = 0) -> EpochPlan:
     """The plan of a job that starts an epoch with ``size`` members: the
@@ -220,14 +221,16 @@ def start_plan(n_examples: int, size: int, seed: int, batch_size: int,
     Args:
         n_examples: Examples in the dataset.
         size: Members.
-        seed: Seed of the shuffle before splitting and of the orders.
+        seed: Seed of the shuffle before splitting and of the orders (None:
+            no shuffle, orders seeded with 0).
         batch_size: Examples per member per update.
-        shuffle: Shuffle before splitting.
+        shuffle: Shuffle before splitting (only with a seed).
         iteration: The updater's iteration at the start.
         epoch: The epoch that starts.
     """
     shard_length(n_examples, size)
     base = shard_order(n_examples, seed if shuffle else None)
+    seed = 0 if seed is None else seed
     if base is None:
         base = numpy.arange(n_examples)
     shards, orders = [], []

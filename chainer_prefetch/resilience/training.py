@@ -105,9 +105,7 @@ def train_iterator(dataset, make_iterator: ShardIteratorFactory,
             no shuffle, orders seeded with 0).
     """
     return PlannedIterator.start(dataset, make_iterator, batch_size,
-                                 comm.size, comm.rank,
-                                 0 if seed is None else seed,
-                                 shuffle=seed is not None)
+                                 comm.size, comm.rank, seed)
 
 
 class FaultTolerantTraining:
