@@ -9,7 +9,8 @@ dies mid-rebuild), ``--kill-at EVENT:size=N`` right after it reports EVENT
 for a group of N members (the generation a size is reached at depends on
 whether the first members started within one settle window).
 ``--kill-after-iteration N`` makes it SIGKILL itself right after it
-committed update N.  ``--example-log PATH`` logs the indices of every batch
+committed update N, or the first update after the job has had
+``--hold-until-size`` members if that comes later.  ``--example-log PATH`` logs the indices of every batch
 (``chainer_prefetch_bench.testbed.exactly_once``).
 ``--hold-until-size N`` slows training (0.5 s per iteration, for at most
 60 s) until the job has had N members, so that a member started later
@@ -129,15 +130,19 @@ def main():
         trainer.extend(evaluator, trigger=(1, 'epoch'))
         held = {'reached': False, 'until': time.monotonic() + 60}
 
-        def pace(_):
+        def size_reached():
             held['reached'] = held['reached'] or (
                 comm.size >= args.hold_until_size)
-            holding = not held['reached'] and time.monotonic() < held['until']
+            return held['reached']
+
+        def pace(_):
+            holding = not size_reached() and time.monotonic() < held['until']
             time.sleep(0.5 if holding else args.iteration_sleep)
 
         if args.kill_after_iteration:
             def die(trainer):
-                if updater.iteration == args.kill_after_iteration:
+                if (updater.iteration >= args.kill_after_iteration
+                        and size_reached()):
                     os.kill(os.getpid(), signal.SIGKILL)
             trainer.extend(die, trigger=(1, 'iteration'), name='die')
         if args.iteration_sleep or args.hold_until_size:

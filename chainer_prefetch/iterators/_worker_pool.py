@@ -352,6 +352,21 @@ def _start_process(args) -> multiprocessing.process.BaseProcess:
     return process
 
 
+def start_loader_server() -> None:
+    """Starts, in the background, the fork server that loader processes come from.
+
+    A process that runs threads (MPI progress threads, an etcd keep-alive,
+    another iterator's copy threads) cannot safely fork its loaders, so they
+    come from a fork server; the first iterator that needs it starts it and
+    waits for it to import Chainer and this package (about a second on a
+    loaded node).  Calling this early (before MPI is initialised, before an
+    elastic member registers) does that import meanwhile.  Safe to call more
+    than once; the server lives as long as this process.
+    """
+    _preload_worker_code()
+    multiprocessing.forkserver.ensure_running()
+
+
 def _preload_worker_code():
     """Has the fork server import this package once, so its workers start in milliseconds.
 

@@ -318,17 +318,23 @@ def add_fault_tolerance_arguments(parser):
                             'long')
 
 
-def set_start_method(method):
-    """Pick the start method and, for forkserver, start the server now.
+def set_start_method(method, iterator):
+    """Pick the start method and start the fork server now.
 
     Must run before MPI is initialised, and after ``supervise()`` where the
     rank is supervised: the fork server is a child of the process that
-    starts it, and only that process can use it.  Setting the method alone
-    does not launch the fork server, so a dummy process is started and
-    joined.
+    starts it, and only that process can use it.  ``prefetch``: the
+    iterator's loaders come from the fork server whenever this process runs
+    threads (MPI's, etcd's, the other iterator's), whatever the method, so
+    the server is started (in the background) for both.  Setting the method
+    alone does not launch the fork server, so for Chainer's iterator a
+    dummy process is started and joined.
     """
     multiprocessing.set_start_method(method, force=True)
-    if method == 'forkserver':
+    if iterator == 'prefetch':
+        import chainer_prefetch
+        chainer_prefetch.start_loader_server()
+    elif method == 'forkserver':
         p = multiprocessing.Process()
         p.start()
         p.join()
@@ -420,7 +426,7 @@ def main(argv=None):
         from chainer_prefetch.resilience.supervisor import supervise
         supervise()
     # Before MPI initialisation (inside create_communicator); see docstring.
-    set_start_method(args.start_method)
+    set_start_method(args.start_method, args.iterator)
 
     if args.fault_tolerance is not None:
         return train_fault_tolerant(args)
