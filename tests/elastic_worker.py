@@ -10,7 +10,8 @@ for a group of N members (the generation a size is reached at depends on
 whether the first members started within one settle window).
 ``--kill-after-iteration N`` makes it SIGKILL itself right after it
 committed update N, or the first update after the job has had
-``--hold-until-size`` members if that comes later.  ``--example-log PATH`` logs the indices of every batch
+``--hold-until-size`` members if that comes later.  ``--example-log
+PATH`` logs the indices of every batch
 (``chainer_prefetch_bench.testbed.exactly_once``).
 ``--hold-until-size N`` slows training (0.5 s per iteration, for at most
 60 s) until the job has had N members, so that a member started later

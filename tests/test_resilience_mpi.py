@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+import documented
 import helpers
 from chainer_prefetch.resilience import launcher, supervisor
 from chainer_prefetch.resilience.injection import read_events
@@ -382,35 +383,22 @@ def test_supervised_rank_aborts_the_job_only_with_mpi_running(
 
 # ---- the commands of docs/fault_tolerance.rst, "Running it" ----------------------
 
-DOCS = os.path.join(mpi_launch.REPO, 'docs', 'fault_tolerance.rst')
 DOCUMENTED_RUN_TIMEOUT = 420
-"""The documented run trains 3 epochs of 1,920 images: about 80 s on 2
+"""The documented run trains 3 epochs of 960 images: about 45 s on 2
 cores with nothing else running."""
 
 
-def _documented_commands():
-    """The commands of the first literal block of "Running it" in
-    docs/fault_tolerance.rst, each split into words (continuation lines
-    joined, comments and blank lines left out)."""
-    with open(DOCS) as f:
-        section = f.read().split('\nRunning it\n', 1)[1]
-    lines = []
-    for line in section.split('::\n\n', 1)[1].splitlines():
-        if line and not line.startswith(' '):
-            break  # the literal block ends at the first unindented line
-        lines.append(line.strip())
-    text = '\n'.join(lines).replace('\\\n', ' ')
-    return [shlex.split(line) for line in text.splitlines()
-            if line and not line.startswith('#')]
-
-
 def _documented(program):
-    """The documented command that runs ``program`` (its first word or the
-    module after ``python -m``)."""
-    for command in _documented_commands():
-        if command[0] == program or command[1:3] == ['-m', program]:
-            return command
-    raise AssertionError('{} not in "Running it" of {}'.format(program, DOCS))
+    """The command of the first literal block of "Running it" in
+    docs/fault_tolerance.rst that runs ``program`` (its first word or the
+    module after ``python -m``), split into words."""
+    block = documented.literal_block('fault_tolerance.rst', 'Running it')
+    for command in documented.commands(block):
+        words = documented.words(command)
+        if words[0] == program or words[1:3] == ['-m', program]:
+            return words
+    raise AssertionError('{} not in "Running it" of docs/fault_tolerance.rst'
+                         .format(program))
 
 
 def _here(command, tmp_path):
@@ -466,7 +454,7 @@ def test_documented_ulfm_command_recovers_with_the_default_start_method(
     finished = _of(events, 'finished')
     assert sorted(e['rank'] for e in finished) == [0, 1, 2], output[-5000:]
     assert len({e['params_sha1'] for e in finished}) == 1, finished
-    assert {e['iteration'] for e in finished} == {240}  # 3 epochs of 80
+    assert {e['iteration'] for e in finished} == {120}  # 3 epochs of 40
 
 
 @pytest.mark.timeout(300)

@@ -3,16 +3,15 @@
 The Debian package ``etcd-server`` installs etcd 3.4 but does not start it.
 :class:`EtcdServer` starts a private one on 127.0.0.1 (free ports, data in
 a temporary directory) and stops it; tests and experiments use it, and so
-can a user trying the example on one machine::
+can a user trying the example on one machine
+(:mod:`chainer_prefetch.elastic.local_etcd`)::
 
-    python -m chainer_prefetch.elastic.etcd          # prints its etcd:// URL
+    python -m chainer_prefetch.elastic.local_etcd    # prints its etcd:// URL
 
 On a cluster, point ``--elastic`` at the site's etcd instead.
 """
-import argparse
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -96,6 +95,17 @@ def connect(url: EtcdUrl, timeout: float) -> etcd3gw.Etcd3Client:
         time.sleep(0.2)
 
 
+def _port_taken(port: int) -> bool:
+    with socket.socket() as sock:
+        # Like etcd: a port whose last connections are closing is free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(('127.0.0.1', port))
+        except OSError:
+            return True
+    return False
+
+
 def free_ports(count: int) -> List[int]:
     """``count`` distinct TCP ports free on 127.0.0.1 right now."""
     sockets = []
@@ -115,6 +125,7 @@ class EtcdServer:
 
     Args:
         start_timeout: Seconds to wait for it to answer.
+        port: Its client port (default: a free one).
 
     Attributes:
         port: Its client port (after :meth:`start`).
@@ -122,8 +133,10 @@ class EtcdServer:
         process: The ``etcd`` process.
     """
 
-    def __init__(self, start_timeout: float = 20.0):
+    def __init__(self, start_timeout: float = 20.0,
+                 port: Optional[int] = None):
         self.start_timeout = start_timeout
+        self.requested_port = port
         self.port: Optional[int] = None
         self.directory: Optional[str] = None
         self.process: Optional[subprocess.Popen] = None
@@ -145,6 +158,13 @@ class EtcdServer:
                 '(scripts/apt-packages.txt)')
         self.directory = tempfile.mkdtemp(prefix='chainer_prefetch_etcd_')
         self.port, peer = free_ports(2)
+        if self.requested_port:
+            peer = next(p for p in free_ports(2) if p != self.requested_port)
+            self.port = self.requested_port
+            if _port_taken(self.port):
+                raise RuntimeError(
+                    'port {} on 127.0.0.1 is taken (another etcd?): choose '
+                    'another --port, or none for a free one'.format(self.port))
         client_url = 'http://127.0.0.1:{}'.format(self.port)
         peer_url = 'http://127.0.0.1:{}'.format(peer)
         self.process = subprocess.Popen(
@@ -202,28 +222,3 @@ class EtcdServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
-def main(argv=None) -> None:
-    """Runs a local etcd until Ctrl-C or SIGTERM; prints its address."""
-    parser = argparse.ArgumentParser(
-        description='Start a private etcd on 127.0.0.1 for elastic training')
-    parser.add_argument('--job', default='job',
-                        help='job key shown in the printed address')
-    args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)
-    with EtcdServer() as server:
-        print(server.url(args.job), flush=True)
-        try:
-            while server.process.poll() is None:
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            pass
-
-
-if __name__ == '__main__':
-    main()

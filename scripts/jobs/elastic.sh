@@ -4,7 +4,7 @@
 # member of the same job; there is no single mpirun that owns them all.
 #
 #   # 1. an etcd the nodes can reach (the site's, or a private one:
-#   #    python -m chainer_prefetch.elastic.etcd  prints etcd://127.0.0.1:PORT/job)
+#   #    python -m chainer_prefetch.elastic.local_etcd  prints etcd://127.0.0.1:PORT/job)
 #   # 2. the first allocation starts the job:
 #   ELASTIC=etcd://etcd-host:2379/resnet50-run1 sbatch scripts/jobs/elastic.sh
 #   ELASTIC=etcd://etcd-host:2379/resnet50-run1 qsub -v ELASTIC scripts/jobs/elastic.sh
