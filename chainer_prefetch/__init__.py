@@ -1,6 +1,6 @@
 """chainer_prefetch: feed Chainer training from shared storage at local-disk speed."""
 from chainer_prefetch.errors import (  # NOQA
-    ChainerPrefetchError, ExampleLoadError, WorkerDiedError)
+    ChainerPrefetchError, ExampleLoadError, StagingWarning, WorkerDiedError)
 from chainer_prefetch.iterators import (  # NOQA
     PlannedIterator, PrefetchMultiprocessIterator, start_loader_server)
 from chainer_prefetch.staging import resolve_dataset_files  # NOQA

@@ -36,6 +36,17 @@ class WorkerDiedError(ExampleLoadError):
     """A loader process ended (killed, out of memory) without answering its tasks."""
 
 
+class StagingWarning(UserWarning):
+    """Staging does less than asked: some examples are read from shared storage.
+
+    Issued once per cause by :class:`~chainer_prefetch.PrefetchMultiprocessIterator`,
+    naming the dataset's class and, where there is one, the example's index
+    and the file, and saying what to change (``docs/staging.rst`` lists them
+    all).  ``warnings.simplefilter('error', StagingWarning)`` makes them
+    errors.
+    """
+
+
 class StagingError(ChainerPrefetchError, OSError):
     """Base of the errors of staging files to a local directory."""
 

@@ -443,8 +443,9 @@ _HUNG_SCRIPT = textwrap.dedent('''
 def test_ctrl_c_or_sigterm_while_shared_storage_hangs_ends_the_job(
         tmp_path, signal_number):
     fifos = []
+    (tmp_path / 'shared').mkdir()  # the local directory is not inside it
     for i in range(6):
-        path = str(tmp_path / 'hung{}.jpg'.format(i))
+        path = str(tmp_path / 'shared' / 'hung{}.jpg'.format(i))
         os.mkfifo(path)
         fifos.append(path)
     env = dict(os.environ, LOCAL_DIR=str(tmp_path / 'local'))

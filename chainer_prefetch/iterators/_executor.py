@@ -567,10 +567,15 @@ class Executor:
         dataset_files: The dataset's files (``None`` without staging).
         located_dataset: The view reading local copies, or ``None``.
         stop_event: Set on close (interrupts waits for other processes' copies).
+        open_check: Judges the files each example opens in the loaders
+            (``OpenCheck``), or ``None``.
+        on_finding: ``on_finding(index, (kind, path))`` for what a loader saw
+            an example open (called on the pool's collector thread).
     """
 
     def __init__(self, settings, scheduler: s.Scheduler, store, dataset_files,
-                 located_dataset, stop_event: threading.Event):
+                 located_dataset, stop_event: threading.Event,
+                 open_check=None, on_finding=None):
         self._settings = settings
         self._scheduler = scheduler
         self._store = store
@@ -580,6 +585,8 @@ class Executor:
         self._named_files = dataset_files
         self._located_dataset = located_dataset
         self._stop_event = stop_event
+        self._open_check = open_check
+        self._on_finding = on_finding
         self.mailbox = Mailbox()
         self._events = queue.SimpleQueue()
         self._step_lock = threading.Lock()
@@ -600,7 +607,8 @@ class Executor:
         settings = self._settings
         local_root = (None if self._store is None
                       else self._store.directory.data_root)
-        views = (settings.dataset, self._located_dataset, local_root, self._files)
+        views = (settings.dataset, self._located_dataset, local_root,
+                 self._files, self._open_check)
         if settings.loader_threads:
             loader = _worker.Loader(*views)
             self._pool = LoaderThreads(settings.n_processes)
@@ -771,6 +779,8 @@ class Executor:
                     break
                 results.append(s.LoadResult(example, _READ_FROM[read_from],
                                             detail, answer[3]))
+                if answer[4] is not None and self._on_finding is not None:
+                    self._on_finding(index, answer[4])
             self._events.put(s.Loaded(task_id, tuple(results)))
         return on_done
 

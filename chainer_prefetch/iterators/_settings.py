@@ -1,11 +1,15 @@
 """The options of PrefetchMultiprocessIterator, validated once, in one frozen object."""
 import dataclasses
 import multiprocessing
+import os
+import re
+import warnings
 from typing import Any, Callable, Optional
 
 import numpy
 from chainer.iterators.order_samplers import ShuffleOrderSampler
 
+from chainer_prefetch.errors import StagingWarning
 from chainer_prefetch.policy.eviction import STRATEGIES
 from chainer_prefetch.staging.local_memory import MEMORY
 
@@ -48,6 +52,7 @@ class IteratorSettings:
     loader_threads: bool = False
 
     def __post_init__(self):
+        object.__setattr__(self, 'local_dir', _local_dir(self.local_dir))
         for name in ('batch_size', 'n_copy_threads', 'n_copy_ahead'):
             _check_positive_int(name, getattr(self, name))
         for name in ('n_processes', 'maxtasksperchild', 'local_capacity',
@@ -129,3 +134,31 @@ def _check_positive_int(name, value):
             or value < 1:
         raise ValueError('{} must be a positive integer, got {!r}'.format(
             name, value))
+
+
+_WARNED_PATHS = set()
+_VARIABLE = re.compile(r'\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)')
+
+
+def _local_dir(local_dir):
+    """``local_dir`` as a string with ``~`` expanded (warns about ``$NAME``)."""
+    if local_dir is None or local_dir == MEMORY:
+        return local_dir
+    try:
+        path = os.fspath(local_dir)
+    except TypeError:
+        raise TypeError('local_dir must be a path (str or os.PathLike), '
+                        'None or {!r}, got {!r}'.format(MEMORY, local_dir))
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    variable = _VARIABLE.search(path)
+    if variable and path not in _WARNED_PATHS:
+        _WARNED_PATHS.add(path)
+        warnings.warn(
+            'local_dir {!r} contains {!r}, which Python does not expand: the '
+            'copies go to a directory literally named {!r}; expand it '
+            'yourself (os.path.expandvars(...), or an f-string with '
+            'os.environ[...])'.format(path, variable.group(0),
+                                      variable.group(0)),
+            StagingWarning, stacklevel=5)
+    return os.path.expanduser(path)

@@ -34,6 +34,8 @@ from typing import Any, Callable, Optional
 import numpy
 
 from chainer_prefetch.iterators import _worker_pool
+from chainer_prefetch.staging import open_watch
+from chainer_prefetch.staging.open_watch import OpenCheck
 from chainer_prefetch.staging.sources import as_source
 
 #: Codes of where an example was read (see ``_scheduler.ReadFrom``).
@@ -51,17 +53,21 @@ class Loader:
         local_root: The directory the located view reads under, or ``None``.
         dataset_files: The dataset's files (to count the bytes of examples
             read from shared storage), or ``None``.
+        open_check: Judges the files each example opens (``None``: no
+            staging was asked for; nothing is watched).
         buffer_of: Maps a shared buffer's key to its bytes (in a worker
             process); ``None`` where batches need no shared buffer (threads).
     """
 
     def __init__(self, original_dataset, located_dataset, local_root,
-                 dataset_files, buffer_of: Optional[Callable] = None):
+                 dataset_files, open_check: Optional[OpenCheck] = None,
+                 buffer_of: Optional[Callable] = None):
         self.original_dataset = original_dataset
         self.located_dataset = located_dataset
         self.local_root = (None if local_root is None
                            else os.path.join(local_root, ''))
         self.dataset_files = dataset_files
+        self.open_check = open_check
         self._buffer_of = buffer_of
 
     def buffer(self, key) -> Optional[numpy.ndarray]:
@@ -85,25 +91,30 @@ class Loader:
             example_bytes: Bytes of each example's region of the buffer.
 
         Returns:
-            One ``(read_from, example, source_bytes, unfit_bytes)`` per entry
-            (``unfit_bytes``: the example's size if its arrays did not fit
-            its region, else 0), or, from the first example that fails,
-            ``(None, exception, traceback_text)`` and nothing after it.
+            One ``(read_from, example, source_bytes, unfit_bytes, finding)``
+            per entry (``unfit_bytes``: the example's size if its arrays did
+            not fit its region, else 0; ``finding``: what its opens showed,
+            see :meth:`OpenCheck.check`), or, from the first example that
+            fails, ``(None, exception, traceback_text)`` and nothing after
+            it.
         """
         buffer = self.buffer(buffer_key)
         results = []
         for position, index, read_local in entries:
-            read_from = LOCAL if read_local else SOURCE
+            finding = None
             try:
-                if read_local:
-                    try:
-                        example = self.located_dataset[index]
-                    except OSError as error:
-                        if not self.about_local_file(error):
-                            raise
-                        read_from = FALLBACK
-                if read_from != LOCAL:
-                    example = self.original_dataset[index]
+                if self.open_check is None:
+                    read_from, example = self._read(index, read_local)
+                else:
+                    files = (None if self.dataset_files is None
+                             else self.dataset_files.files(index))
+                    with open_watch.watching(self.open_check.redirect(
+                            files or (), read_local)) as opened:
+                        read_from, example = self._read(index, read_local)
+                    read_source, finding = self.open_check.check(
+                        files, read_from == LOCAL, opened)
+                    if read_source:
+                        read_from = SOURCE
             except Exception as error:
                 results.append((None, _picklable(error), traceback.format_exc()))
                 break
@@ -114,8 +125,21 @@ class Loader:
                                       start + example_bytes)
             results.append((read_from, example,
                             0 if read_from == LOCAL else self.source_bytes([index]),
-                            unfit))
+                            unfit, finding))
         return results
+
+    def _read(self, index, read_local):
+        """``(read_from, example)``: the located view for ``read_local``,
+        the source after a vanished copy, else the original."""
+        if read_local:
+            try:
+                return LOCAL, self.located_dataset[index]
+            except OSError as error:
+                if not self.about_local_file(error):
+                    raise
+                open_watch.stop_redirecting()
+                return FALLBACK, self.original_dataset[index]
+        return SOURCE, self.original_dataset[index]
 
     def about_local_file(self, error: OSError) -> bool:
         """Whether ``error`` is about a file under the local directory."""
@@ -152,14 +176,14 @@ _buffers = {}
 
 
 def initialize_worker(original_dataset, located_dataset, local_root,
-                      dataset_files):
+                      dataset_files, open_check):
     """Pool initializer: keeps the datasets (the arguments of :class:`Loader`)."""
     global _loader
     # Ctrl-C goes to the whole process group; the owner process stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_pool.on_drop(drop_buffer)
     _loader = Loader(original_dataset, located_dataset, local_root,
-                     dataset_files, _buffer)
+                     dataset_files, open_check, _buffer)
 
 
 def load_examples(entries, buffer_key, example_bytes):

@@ -9,11 +9,12 @@ import numpy
 from chainer.dataset import iterator
 from chainer.iterators import MultiprocessIterator
 
-from chainer_prefetch.errors import LocalStorageError
+from chainer_prefetch.errors import LocalStorageError, StagingWarning
 from chainer_prefetch.iterators import _executor, _scheduler, _settings
 from chainer_prefetch.iterators._settings import IteratorSettings
 from chainer_prefetch.policy import lookahead
 from chainer_prefetch.policy.next_epoch_cache import NextEpochCache
+from chainer_prefetch.staging import checks, open_watch
 from chainer_prefetch.staging.dataset_files import (
     ItemLocalBytes,
     ItemSources,
@@ -22,6 +23,7 @@ from chainer_prefetch.staging.dataset_files import (
 from chainer_prefetch.staging.local_directory import LocalDirectory
 from chainer_prefetch.staging.local_memory import MEMORY, LocalMemory
 from chainer_prefetch.staging.local_store import STORE_COUNTERS, LocalStore
+from chainer_prefetch.staging.open_watch import OpenCheck
 from chainer_prefetch.staging.sources import as_source
 
 
@@ -123,7 +125,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         n_copy_threads (int): Threads copying files (stage 2).  Each waits
             on one file's latency at a time, so more threads hide more
             latency; 16 kept the emulated Lustre-like storage of
-            ``scripts/bench_minibatch.py`` ahead of 2 loader processes
+            ``python -m chainer_prefetch_bench.minibatch.bench`` ahead of 2 loader processes
             (12 and 16 performed alike, 8 did not).  Parquet row groups
             are copied one at a time on a thread of their own, in the
             order needed (each reads in parallel pieces already), while a
@@ -211,6 +213,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
 
     _finalized = False
     _executor = None  # finalize() may run on a half-constructed object
+    _final_counts = ({}, {}, None)  # the pipeline's counters at finalize()
     _store = None
 
     def __init__(self, dataset, batch_size, repeat=True, shuffle=None,
@@ -248,16 +251,26 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         self._batches_delivered = 0
         self._files = self._store = self._located_dataset = None
         self._item_of = self._item_bytes = None
+        self._open_check = None
+        self._staging_warnings = []
+        self._warned_findings = set()
         if settings.local_dir is None:
             return
         files = resolve_dataset_files(settings.dataset)
         if files is None:
+            # Nothing known to stage: the loaders tell whether it opens files.
+            self._open_check = OpenCheck(None)
             return
         item_of = files.item_of()
         if item_of is not None:
             item_of = numpy.asarray(item_of, dtype=numpy.int64)
         if settings.local_dir == MEMORY:
             _check_memory_forms(_first_sources(files, len(settings.dataset)))
+        paths = checks.sampled_paths(files, len(settings.dataset))
+        root = checks.source_root(paths)
+        if settings.local_dir != MEMORY:
+            checks.check_apart(settings.local_dir, root)
+        self._warn_about_samples(paths)
         try:
             directory = (LocalMemory(self._stop_event)
                          if settings.local_dir == MEMORY
@@ -271,8 +284,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                 directory.close()
                 raise
         except LocalStorageError as error:
-            warnings.warn('{}; reading the dataset from its source '
-                          'instead.'.format(error))
+            self._warn_staging('{}; reading the dataset from its source '
+                               'instead.'.format(error))
             return
         if self._store.limited and item_of is not None:
             # Stages 1-2 run only as far ahead as the room holds the items.
@@ -280,6 +293,45 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         self._files = files
         self._item_of = item_of
         self._located_dataset = files.located(directory.locate)
+        self._open_check = OpenCheck(
+            directory.data_root,
+            None if settings.local_dir == MEMORY else directory.locate,
+            root, files.by_redirection())
+
+    def _warn_staging(self, message: str, stacklevel: int = 3) -> None:
+        """Issues a :class:`StagingWarning` and keeps it for ``stats``."""
+        self._staging_warnings.append(message)
+        warnings.warn(message, StagingWarning, stacklevel=stacklevel)
+
+    def _warn_about_samples(self, paths):
+        """Warns when a few examples show that staging cannot help."""
+        name = type(self.settings.dataset).__name__
+        missing = checks.missing_files(paths)
+        if missing is not None:
+            self._warn_staging(
+                '{}: none of the files its examples name exists (e.g. {}), so '
+                'nothing can be staged; if the dataset reads other files, '
+                'make its example_files name them (docs/staging.rst)'.format(
+                    name, missing))
+        capacity = self.settings.local_capacity
+        smallest = checks.smallest_bytes(paths)
+        if capacity is not None and smallest is not None and smallest > capacity:
+            self._warn_staging(
+                'local_capacity={} bytes is smaller than each file of the '
+                'examples looked at (the smallest: {} bytes), so every '
+                'example will be read from shared storage; give a larger '
+                'local_capacity'.format(capacity, smallest))
+
+    def _on_finding(self, index: int, finding) -> None:
+        """What a loader saw an example open (see ``OpenCheck.check``): warns
+        once per kind.  Runs on the pipeline's threads."""
+        kind, path = finding
+        if kind in self._warned_findings:
+            return
+        self._warned_findings.add(kind)
+        self._warn_staging(_FINDINGS[kind].format(
+            dataset=type(self.settings.dataset).__name__, index=index,
+            path=path), stacklevel=2)
 
     def _copied_in_order(self) -> bool:
         """Whether stage 2 copies the first example's files one at a time, in order.
@@ -320,7 +372,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             item_bytes=self._item_bytes)
         self._executor = _executor.Executor(
             settings, _scheduler.Scheduler(config, self._state, cache),
-            self._store, self._files, self._located_dataset, self._stop_event)
+            self._store, self._files, self._located_dataset, self._stop_event,
+            self._open_check, _weakly(self._on_finding))
         # Stops the pipeline when this iterator is garbage collected or the
         # interpreter exits, even if finalize() is never called.
         self._executor_finalizer = weakref.finalize(self, self._executor.close)
@@ -367,8 +420,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             self._warned_local_storage = True
             where = ('memory' if self.settings.local_dir == MEMORY
                      else 'the local directory')
-            warnings.warn('Copying to {} stopped ({}); reading the rest from '
-                          'shared storage.'.format(where, reason))
+            self._warn_staging('Copying to {} stopped ({}); reading the rest '
+                               'from shared storage.'.format(where, reason))
 
     @property
     def stats(self):
@@ -400,6 +453,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         included).  ``next_epoch_cache``: ``examples_cached``,
         ``examples_replaced`` (by ones earlier in the next order), ``hits``,
         ``bytes_cached``, ``held_bytes``, or ``None`` without the cache.
+        The counters keep their values after ``finalize()`` (which
+        ``trainer.run()`` calls at its end).
         ``by_epoch`` maps each epoch to what its accesses cost:
         ``examples_from_local``, ``examples_from_source``,
         ``examples_from_cache``, and the bytes they read from shared
@@ -413,8 +468,9 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             values.update(self._store.counters.snapshot())
             values['local_storage_error'] = self._store.disabled
             values['local_bytes_used'] = self._store.bytes_used()
-        counts, by_epoch, cache = ({}, {}, None) if self._executor is None \
-            else self._executor.stats()
+        counts, by_epoch, cache = (
+            self._final_counts if self._executor is None
+            else self._executor.stats())
         for name in _ACCESS_COUNTS:
             values[name] = counts.get(name, 0)
         values['by_epoch'] = {epoch: {name: epoch_counts.get(name, 0)
@@ -424,6 +480,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         values['batches'] = self._batches_delivered
         values['consumer_wait_seconds'] = self._consumer_wait_seconds
         values['first_batch_seconds'] = self._first_batch_seconds
+        values['staging_warnings'] = list(self._staging_warnings)
         return values
 
     def finalize(self):
@@ -435,6 +492,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             self._stop_event.set()
         if self._executor is not None:
             self._executor_finalizer()  # runs Executor.close once
+            # stats() still tells what staging did after trainer.run().
+            self._final_counts = self._executor.stats()
             self._executor = None
         if self._store is not None:
             self._store.close()
@@ -560,12 +619,52 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         self._previous_epoch_detail = state['previous_epoch_detail']
 
 
+_FINDINGS = {
+    open_watch.SOURCE_READ: (
+        '{dataset}: example {index} read {path} from shared storage although '
+        'its local copy was staged (its located view still names the source, '
+        'and the open was not redirected: os.open, or a C library?); it '
+        'counts in examples_from_source.  Make with_file_locations return a '
+        'dataset that reads locate(path) (docs/staging.rst)'),
+    open_watch.NOT_SEEN: (
+        '{dataset}: example {index} opened none of its files ({path}, ...) '
+        "through Python's open, so its reads could not be redirected to the "
+        'local copies (a C library such as cv2.imread opens files itself); '
+        'such examples count in examples_from_source.  Give the dataset '
+        'example_files and with_file_locations (docs/staging.rst)'),
+    open_watch.UNSTAGED: (
+        '{dataset}: example {index} opened {path}, which was not staged for '
+        'it: a wrapper that reads another index of its dataset (a slice, a '
+        'reordering)?  That file is read from shared storage.  Give the '
+        'wrapper example_files(i) naming the files self[i] reads '
+        '(docs/staging.rst)'),
+    open_watch.UNNAMED: (
+        '{dataset} names no files this iterator can find, but example '
+        '{index} opened {path}: nothing is staged and every example is read '
+        'from shared storage.  Keep the paths in an attribute with one entry '
+        'per example, or give the dataset example_files and '
+        'with_file_locations (docs/staging.rst)'),
+}
+
 _STORE_DEFAULTS = STORE_COUNTERS
 _ACCESS_COUNTS = ('examples_staged', 'examples_not_staged',
                   'examples_from_local', 'examples_from_source',
                   'examples_from_cache', 'examples_fallback')
 _EPOCH_COUNTS = ('examples_from_local', 'examples_from_source',
                  'examples_from_cache', 'bytes_from_source', 'bytes_copied')
+
+
+def _weakly(method):
+    """``method`` called through a weak reference to its object: the
+    pipeline's threads must not keep the iterator alive (its garbage
+    collection is what stops them when ``finalize()`` is never called)."""
+    reference = weakref.WeakMethod(method)
+
+    def call(*args):
+        target = reference()
+        if target is not None:
+            target(*args)
+    return call
 
 
 def _first_sources(files, n_examples: int):

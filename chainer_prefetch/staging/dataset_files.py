@@ -69,6 +69,7 @@ from chainer.datasets import (
     TupleDataset,
 )
 
+from chainer_prefetch.staging.discovery import PathField, find_path_attributes
 from chainer_prefetch.staging.sources import Source, as_source
 
 Locate = Callable[[str], str]
@@ -91,6 +92,12 @@ class DatasetFiles(abc.ABC):
         same files (the rows of a Parquet row group) share one.
         """
         return None
+
+    def by_redirection(self) -> bool:
+        """Whether the located view reads some copies only because the
+        loaders redirect the dataset's ``open`` calls (paths found in its
+        attributes, :mod:`.discovery`): the view is then the dataset itself."""
+        return False
 
     @abc.abstractmethod
     def located(self, locate: Locate):
@@ -243,9 +250,27 @@ def _resolve_attributes(dataset, visiting) -> Optional[DatasetFiles]:
             files = _resolve(value, visiting)
             if files is not None:
                 resolved[name] = files
-    if not resolved:
-        return None
-    return _WrapperFiles(dataset, resolved)
+    if resolved:
+        return _WrapperFiles(dataset, resolved)
+    fields = find_path_attributes(dataset)
+    return _DiscoveredFiles(dataset, fields) if fields else None
+
+
+class _DiscoveredFiles(DatasetFiles):
+    """A dataset that keeps its paths in attributes (:mod:`.discovery`)."""
+
+    def __init__(self, dataset, fields: Tuple[PathField, ...]):
+        self._dataset = dataset
+        self._fields = fields
+
+    def files(self, index):
+        return tuple(field.path(self._dataset, index) for field in self._fields)
+
+    def by_redirection(self):
+        return True
+
+    def located(self, locate):
+        return self._dataset  # the loaders redirect its opens
 
 
 class _ProtocolFiles(DatasetFiles):
@@ -317,6 +342,9 @@ class _SubsetFiles(DatasetFiles):
         self._subset = subset
         self._inner = inner
 
+    def by_redirection(self):
+        return self._inner.by_redirection()
+
     def files(self, index):
         subset = self._subset
         if not 0 <= index < len(subset):
@@ -354,6 +382,9 @@ class _ConcatenatedFiles(DatasetFiles):
             self._starts.append(start)
             start += len(part)
 
+    def by_redirection(self):
+        return any(p.by_redirection() for p in self._parts if p is not None)
+
     def files(self, index):
         which = bisect.bisect_right(self._starts, index) - 1
         part = self._parts[which]
@@ -388,6 +419,9 @@ class _ZippedFiles(DatasetFiles):
         self._dataset = dataset
         self._attribute = attribute
         self._members = members
+
+    def by_redirection(self):
+        return any(m.by_redirection() for m in self._members.values())
 
     def files(self, index):
         found = []

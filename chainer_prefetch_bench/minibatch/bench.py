@@ -18,6 +18,12 @@ shared storage (``testbed.storage``, a real FUSE mount):
 ``proposed-cold``    PrefetchMultiprocessIterator reading the mount and
                      staging into an empty local directory.
 ``proposed-warm``    The same with the local directory already filled.
+``proposed-cold-user``
+                     proposed-cold with the dataset a user writes
+                     (``testbed.user_dataset``: a list of paths opened
+                     with PIL) instead of ``LabeledImageDataset``: its paths
+                     are found in its attributes and its opens redirected
+                     to the copies.
 ``proposed-cold-threads``
                      proposed-cold with ``loader_threads=True``: the JPEGs
                      are decoded by threads of the training process
@@ -78,9 +84,11 @@ from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
 from chainer_prefetch_bench.testbed.prepare import prepare_jpeg_benchmark
 from chainer_prefetch_bench.testbed.processes import answer_child, run_in_child
 from chainer_prefetch_bench.testbed.report import write_json
+from chainer_prefetch_bench.testbed.user_dataset import PathListDataset
 
 METHODS = ('baseline-local', 'baseline-remote', 'baseline-local-unsized',
-           'baseline-remote-unsized', 'proposed-cold', 'proposed-warm',
+           'baseline-remote-unsized', 'proposed-cold', 'proposed-cold-user',
+           'proposed-warm',
            'proposed-warm-never', 'proposed-cold-threads',
            'prefetch-local', 'copy-then-local', 'multithread', 'torch',
            'decode-limit')
@@ -108,7 +116,8 @@ def _make_iterator(method, dataset, config):
         return MultiprocessIterator(dataset, BATCH_SIZE, n_processes=n,
                                     order_sampler=_order_sampler(),
                                     shared_mem=shared_mem)
-    if method in ('proposed-cold', 'proposed-warm', 'prefetch-local'):
+    if method in ('proposed-cold', 'proposed-cold-user', 'proposed-warm',
+                  'prefetch-local'):
         return chainer_prefetch.PrefetchMultiprocessIterator(
             dataset, BATCH_SIZE, n_processes=n, order_sampler=_order_sampler(),
             local_dir=None if method == 'prefetch-local' else
@@ -198,7 +207,11 @@ def run_one(config):
         copy_s = copy_dataset(config['remote_root'], config['list_file'],
                               config['copy_target'], COPIERS)
         root = config['copy_target']
-    dataset = chainer.datasets.LabeledImageDataset(config['list_file'], root)
+    if method == 'proposed-cold-user':
+        dataset = PathListDataset(config['list_file'], root)
+    else:
+        dataset = chainer.datasets.LabeledImageDataset(config['list_file'],
+                                                       root)
     own_cpu_started = time.process_time()
     iterator = _make_iterator(method, dataset, config)
     cumulative = []
@@ -378,8 +391,12 @@ def check_targets(summary, copy_threads):
             continue
         remote = summary.get(('baseline-remote', n, None))
         cold = summary.get(('proposed-cold', n, copy_threads))
+        user = summary.get(('proposed-cold-user', n, copy_threads))
         warm = summary.get(('proposed-warm', n, copy_threads))
         lines = []
+        if cold and user:
+            lines.append(('proposed-cold-user / proposed-cold <= 1.05',
+                          user['total_s'] / cold['total_s'], 1.05, False))
         if cold:
             lines.append(('proposed-cold within 1.0x of baseline-local [6.74x]',
                           cold['total_s'] / local['total_s'], 1.0, False))
@@ -442,7 +459,7 @@ def parse_args(argv):
         args.batches = 30
         args.processes = '2'
         args.methods = ('baseline-local,baseline-remote,proposed-cold,'
-                        'proposed-warm,copy-then-local')
+                        'proposed-cold-user,proposed-warm,copy-then-local')
     args.processes = [int(n) for n in args.processes.split(',')]
     args.copy_thread_sweep = [int(n) for n in args.copy_thread_sweep.split(',')
                               if n]

@@ -1,0 +1,200 @@
+"""What a loader's ``get_example`` opens, seen from inside, and where it reads.
+
+Stage 3 loads each example inside :func:`watching`, which
+
+* records every file the loading thread opens for reading through Python
+  (``open``, ``io.open``, ``os.open``, ``pathlib``: they all raise the
+  ``open`` audit event that :func:`sys.addaudithook` sees), so that the
+  loader can tell which files an example really read: the local copies, or
+  shared storage after all (a wrapper that reads another index than its
+  own, a dataset's method bound to the original object);
+* redirects the ``open`` calls of this thread for reading a file that stage
+  2 staged for the example to its local copy (``builtins.open`` and
+  ``io.open``, which ``PIL.Image.open``, ``numpy.load`` and ``pathlib``
+  use), so that a dataset that keeps its paths to itself reads the copies
+  unchanged.
+
+Files opened for writing, and opens on other threads, are never touched.
+Limits: a C library that opens files itself (``cv2.imread``, HDF5) is
+neither seen nor redirected; ``os.open`` is seen but not redirected.
+
+The hook and the redirection are installed in a process once, the first
+time :func:`watching` runs there (in the loader processes, or in the
+training process with loader threads); outside :func:`watching` they cost
+one attribute lookup per audit event or ``open``.
+"""
+import builtins
+import contextlib
+import io
+import os
+import sys
+import threading
+from typing import Dict, List, Optional
+
+_state = threading.local()
+_installed = False
+_install_lock = threading.Lock()
+_original_open = io.open
+_WRITE_MODES = frozenset('wax+')
+
+
+def _reading(mode, flags) -> bool:
+    if mode is not None:
+        return not _WRITE_MODES.intersection(str(mode))
+    return flags is None or (flags & (os.O_WRONLY | os.O_RDWR)) == 0
+
+
+def _audit(event, args):
+    if event != 'open':
+        return
+    opened = getattr(_state, 'opened', None)
+    if opened is None:
+        return
+    path, mode, flags = args
+    if isinstance(path, (str, bytes, os.PathLike)) and _reading(mode, flags):
+        opened.append(os.fsdecode(path))
+
+
+def _open(file, mode='r', *args, **kwargs):
+    redirect = getattr(_state, 'redirect', None)
+    if redirect and isinstance(file, (str, bytes, os.PathLike)) and \
+            _reading(mode, None):
+        target = redirect.get(os.path.abspath(os.fsdecode(file)))
+        if target is not None:
+            file = target
+    return _original_open(file, mode, *args, **kwargs)
+
+
+def _install() -> None:
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        sys.addaudithook(_audit)
+        builtins.open = io.open = _open
+        _installed = True
+
+
+def stop_redirecting() -> None:
+    """Ends the redirection of :func:`watching` early (this thread): a copy
+    that vanished is read from its source."""
+    _state.redirect = None
+
+
+@contextlib.contextmanager
+def watching(redirect: Optional[Dict[str, str]] = None):
+    """Records the files this thread opens for reading meanwhile.
+
+    Args:
+        redirect: ``{absolute source path: local path}``: opens for reading
+            of these sources read the local paths instead.
+
+    Yields:
+        The list the opened paths are appended to (as given to ``open``).
+    """
+    _install()
+    opened: List[str] = []
+    _state.opened, _state.redirect = opened, redirect
+    try:
+        yield opened
+    finally:
+        _state.opened = _state.redirect = None
+
+
+# ---- what the opens of one example mean ------------------------------------------
+
+#: Kinds of findings (see :meth:`OpenCheck.check`).
+SOURCE_READ = 'source_read'
+NOT_SEEN = 'not_seen'
+UNSTAGED = 'unstaged'
+UNNAMED = 'unnamed'
+
+_SYSTEM_SUFFIXES = ('.py', '.pyc', '.so', '.pth')
+
+
+def _system_prefixes():
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, '/proc', '/sys',
+                '/dev', '/etc', '/usr'}
+    return tuple(os.path.join(p, '') for p in prefixes if p)
+
+
+class OpenCheck:
+    """Judges what one example opened against what stage 2 staged for it.
+
+    Picklable (the loader processes get a copy).
+
+    Args:
+        local_root: The directory of the local copies (``None``: no staging).
+        locate: Maps a source path to its local copy (``None``: copies are
+            not plain files, nothing is redirected).
+        source_root: The directory the dataset's files share, or ``None``
+            (they share none but ``/``): files opened under it that were not
+            staged for the example are reported.
+        by_redirection: Whether the copies are read by redirecting opens
+            only (an example that opens none of its files through Python
+            then read them some other way, not seen).
+    """
+
+    def __init__(self, local_root: Optional[str], locate=None,
+                 source_root: Optional[str] = None,
+                 by_redirection: bool = False):
+        self.local_root = None if local_root is None else os.path.join(
+            local_root, '')
+        self.locate = locate
+        self.source_root = None if source_root is None else os.path.join(
+            source_root, '')
+        self.by_redirection = by_redirection
+        self._system = _system_prefixes()
+
+    def redirect(self, files, read_local: bool) -> Optional[Dict[str, str]]:
+        """The redirection for an example with ``files`` read from copies."""
+        if not read_local or self.locate is None:
+            return None
+        return {os.path.abspath(f): self.locate(f) for f in files
+                if isinstance(f, str)}
+
+    def check(self, files, read_local: bool, opened: List[str]):
+        """``(read_source, finding)`` for an example.
+
+        Args:
+            files: What stage 2 knew the example reads (``None``: the dataset
+                names no files at all).
+            read_local: Whether its copies were staged and to be read.
+            opened: The paths it opened for reading (:func:`watching`).
+
+        Returns:
+            ``read_source``: it read shared storage although its copies were
+            staged; ``finding``: ``None`` or ``(kind, path)``, the first of
+            ``SOURCE_READ`` (it opened a staged file's source),
+            ``UNSTAGED`` (it opened a file under the dataset's directory
+            that was not staged for it), ``NOT_SEEN`` (by redirection, it
+            opened none of its files through Python) and ``UNNAMED`` (the
+            dataset names no files but opened one).
+        """
+        paths = [os.path.abspath(p) for p in opened]
+        if files is None:
+            found = next((p for p in paths if self._user_file(p)), None)
+            return False, None if found is None else (UNNAMED, found)
+        expected = {os.path.abspath(f) for f in files if isinstance(f, str)}
+        unstaged = None
+        if self.source_root is not None:
+            unstaged = next((p for p in paths if p not in expected
+                             and not self._local(p)
+                             and p.startswith(self.source_root)), None)
+        if read_local:
+            leaked = next((p for p in paths if p in expected), None)
+            if leaked is not None:
+                return True, (SOURCE_READ, leaked)
+            if unstaged is not None:
+                return True, (UNSTAGED, unstaged)
+            if self.by_redirection and expected and not any(
+                    self._local(p) for p in paths):
+                return True, (NOT_SEEN, sorted(expected)[0])
+        return False, None if unstaged is None else (UNSTAGED, unstaged)
+
+    def _local(self, path: str) -> bool:
+        return self.local_root is not None and path.startswith(self.local_root)
+
+    def _user_file(self, path: str) -> bool:
+        return not (path.startswith(self._system)
+                    or path.endswith(_SYSTEM_SUFFIXES) or self._local(path))

@@ -1,0 +1,337 @@
+"""The iterator with the datasets users write themselves (real files, real
+loader processes): staged with no code in the dataset, or told why not.
+
+The shapes: a list of paths opened with PIL; ``(path, label)`` pairs under
+a root; two path lists (an image and its mask); a NumPy array of paths;
+``pathlib.Path`` entries; a dict per example; a ChainerCV-like sliceable
+dataset whose getters are methods bound to it (chainercv 0.13.1 does not
+build on Python 3.11 as shipped, so its shape is reproduced here); each
+also under ``SubDataset`` (what ``chainermn.scatter_dataset`` returns) and
+``TransformDataset``.  A local copy is proven read by removing the sources
+after the first epoch (``recheck_sources='never'``): a read of shared
+storage would then fail.
+"""
+import copy
+import os
+import pathlib
+import shutil
+import warnings
+
+import chainer
+import numpy
+import pytest
+from chainer.datasets import SubDataset, TransformDataset
+from PIL import Image
+
+from chainer_prefetch import PrefetchMultiprocessIterator, StagingWarning
+
+N = 12
+
+
+def _write_images(directory, n=N, prefix='img'):
+    os.makedirs(directory, exist_ok=True)
+    names = []
+    for i in range(n):
+        name = '{}{:03d}.png'.format(prefix, i)
+        Image.fromarray(numpy.full((4, 4, 3), i, dtype=numpy.uint8)).save(
+            os.path.join(directory, name))
+        names.append(name)
+    return names
+
+
+def _read(path):
+    with Image.open(path) as image:
+        return int(numpy.asarray(image)[0, 0, 0])
+
+
+class PathList(chainer.dataset.DatasetMixin):
+    """The dataset everyone writes: a list of paths, opened with PIL."""
+
+    def __init__(self, paths):
+        self.paths = paths
+
+    def __len__(self):
+        return len(self.paths)
+
+    def get_example(self, i):
+        return _read(self.paths[i])
+
+
+class PairsUnderRoot(chainer.dataset.DatasetMixin):
+    def __init__(self, pairs, root):
+        self.pairs = pairs
+        self.root = root
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def get_example(self, i):
+        name, label = self.pairs[i]
+        return _read(os.path.join(self.root, name)) + 0 * label
+
+
+class ImageAndMask(chainer.dataset.DatasetMixin):
+    def __init__(self, images, masks):
+        self.images = images
+        self.masks = masks
+
+    def __len__(self):
+        return len(self.images)
+
+    def get_example(self, i):
+        return _read(self.images[i]) + 100 * _read(self.masks[i])
+
+
+class DictEntries(chainer.dataset.DatasetMixin):
+    def __init__(self, entries):
+        self.entries = entries
+
+    def __len__(self):
+        return len(self.entries)
+
+    def get_example(self, i):
+        return _read(self.entries[i]['file'])
+
+
+class BoundGetters(chainer.dataset.DatasetMixin):
+    """ChainerCV's sliceable shape: getters kept as bound methods."""
+
+    def __init__(self, paths):
+        self.img_paths = paths
+        self._getters = [(self._get_image, 'img')]
+
+    def __len__(self):
+        return len(self.img_paths)
+
+    def _get_image(self, i):
+        return _read(self.img_paths[i])
+
+    def get_example(self, i):
+        return self._getters[0][0](i)
+
+
+def _iterate(dataset, local_dir, epochs, after_first=None, **options):
+    """Values of ``epochs`` epochs in index order; ``after_first()`` runs
+    once the first epoch is done."""
+    iterator = PrefetchMultiprocessIterator(
+        dataset, 4, shuffle=False, n_processes=2, local_dir=str(local_dir),
+        recheck_sources='never', n_copy_ahead=2, **options)
+    values = []
+    try:
+        for epoch in range(epochs):
+            while True:
+                values.extend(iterator.next())
+                if iterator.is_new_epoch:
+                    break
+            if epoch == 0 and after_first is not None:
+                after_first()
+    finally:
+        iterator.finalize()
+    return values, iterator.stats
+
+
+def _shapes(tmp_path):
+    """name -> (dataset, expected values, files per example)."""
+    data = tmp_path / 'data'
+    names = _write_images(str(data))
+    masks = _write_images(str(data / 'masks'), prefix='mask')
+    paths = [str(data / n) for n in names]
+    mask_paths = [str(data / 'masks' / m) for m in masks]
+    values = list(range(N))
+    return {
+        'list': (PathList(paths), values, 1),
+        'pairs_under_root': (PairsUnderRoot([(n, 0) for n in names],
+                                            str(data)), values, 1),
+        'image_and_mask': (ImageAndMask(paths, mask_paths),
+                           [101 * v for v in values], 2),
+        'numpy_array': (PathList(numpy.array(paths)), values, 1),
+        'pathlib': (PathList([pathlib.Path(p) for p in paths]), values, 1),
+        'dict_entries': (DictEntries([{'file': p, 'label': 0}
+                                      for p in paths]), values, 1),
+        'bound_getters': (BoundGetters(paths), values, 1),
+    }
+
+
+SHAPES = ['list', 'pairs_under_root', 'image_and_mask', 'numpy_array',
+          'pathlib', 'dict_entries', 'bound_getters']
+
+
+@pytest.mark.parametrize('wrapper', ['plain', 'subdataset', 'transform'])
+@pytest.mark.parametrize('shape', SHAPES)
+def test_a_users_dataset_is_staged_and_read_locally(tmp_path, shape, wrapper):
+    dataset, expected, files_each = _shapes(tmp_path)[shape]
+    if wrapper == 'subdataset':
+        dataset = SubDataset(dataset, 2, N)
+        expected = expected[2:]
+    elif wrapper == 'transform':
+        dataset = TransformDataset(dataset, lambda v: v + 1000)
+        expected = [v + 1000 for v in expected]
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', StagingWarning)
+        values, stats = _iterate(
+            dataset, tmp_path / 'local', 2,
+            after_first=lambda: shutil.rmtree(str(tmp_path / 'data')))
+    assert values == expected * 2
+    assert stats['files_copied'] == files_each * len(expected)
+    assert stats['by_epoch'][1]['examples_from_source'] == 0
+    assert stats['by_epoch'][1]['examples_from_local'] == len(expected)
+    assert stats['staging_warnings'] == []
+
+
+class LocatedCopyKeepsBoundGetter(BoundGetters):
+    """The documented protocol, implemented the way ChainerCV's datasets
+    make it go wrong: the copy's getter is still bound to the original."""
+
+    def example_files(self, i):
+        return [self.img_paths[i]]
+
+    def with_file_locations(self, locate):
+        clone = copy.copy(self)
+        clone.img_paths = [locate(p) for p in self.img_paths]
+        return clone
+
+
+def test_a_located_copy_with_bound_getters_reads_the_copies(tmp_path):
+    paths = [str(tmp_path / 'data' / n)
+             for n in _write_images(str(tmp_path / 'data'))]
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', StagingWarning)
+        values, stats = _iterate(
+            LocatedCopyKeepsBoundGetter(paths), tmp_path / 'local', 2,
+            after_first=lambda: shutil.rmtree(str(tmp_path / 'data')))
+    assert values == list(range(N)) * 2
+    assert stats['by_epoch'][1]['examples_from_local'] == N
+
+
+class Reversed(chainer.dataset.DatasetMixin):
+    """A wrapper that reads another index of its dataset than its own."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def get_example(self, i):
+        return self.base[len(self.base) - 1 - i]
+
+
+def test_a_wrapper_reading_other_indices_is_warned_and_counted(tmp_path):
+    paths = [str(tmp_path / 'data' / n)
+             for n in _write_images(str(tmp_path / 'data'))]
+    with pytest.warns(StagingWarning, match=r'Reversed: example \d+ opened .*'
+                      r'img\d+\.png, which was not staged for it'):
+        values, stats = _iterate(Reversed(PathList(paths)),
+                                 tmp_path / 'local', 2)
+    assert values == list(reversed(range(N))) * 2  # the data stays right
+    assert stats['examples_from_local'] == 0
+    assert stats['by_epoch'][1]['examples_from_source'] == N
+    assert len(stats['staging_warnings']) == 1
+
+
+class ExampleFilesNamesOthers(PathList):
+    def example_files(self, i):
+        return [self.paths[i] + '.missing']
+
+    def with_file_locations(self, locate):
+        return self
+
+
+def test_example_files_naming_no_existing_file_is_warned(tmp_path):
+    paths = [str(tmp_path / 'data' / n)
+             for n in _write_images(str(tmp_path / 'data'))]
+    with pytest.warns(StagingWarning, match='none of the files its examples '
+                      r'name exists \(e.g. .*img000.png.missing\)'):
+        iterator = PrefetchMultiprocessIterator(
+            ExampleFilesNamesOthers(paths), 4, local_dir=str(
+                tmp_path / 'local'), n_processes=1)
+    iterator.finalize()
+
+
+class BuildsItsPaths(chainer.dataset.DatasetMixin):
+    """VOC-like: joins a root and an id inside get_example."""
+
+    def __init__(self, root, ids):
+        self._root_dir = root + '/'
+        self._ids = ids
+
+    def __len__(self):
+        return len(self._ids)
+
+    def get_example(self, i):
+        return _read(self._root_dir + self._ids[i] + '.png')
+
+
+def test_a_dataset_naming_no_files_but_opening_some_is_warned(tmp_path):
+    data = str(tmp_path / 'data')
+    ids = [n[:-4] for n in _write_images(data)]
+    with pytest.warns(StagingWarning, match=r'BuildsItsPaths names no files '
+                      r'this iterator can find, but example \d+ opened '):
+        values, stats = _iterate(BuildsItsPaths(data, ids),
+                                 tmp_path / 'local', 1)
+    assert values == list(range(N))
+    assert stats['examples_from_local'] == 0
+    assert not (tmp_path / 'local').exists()
+
+
+def test_an_in_memory_dataset_gets_no_warning_and_no_directory(tmp_path):
+    dataset = chainer.datasets.TupleDataset(numpy.arange(N), numpy.arange(N))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', StagingWarning)
+        values, stats = _iterate(dataset, tmp_path / 'local', 2)
+    assert [int(v[0]) for v in values] == list(range(N)) * 2
+    assert stats['staging_warnings'] == []
+    assert not (tmp_path / 'local').exists()
+
+
+@pytest.mark.parametrize('where', ['inside', 'equal', 'parent'])
+def test_a_local_dir_overlapping_the_dataset_is_refused(tmp_path, where):
+    data = tmp_path / 'data'
+    paths = [str(data / n) for n in _write_images(str(data))]
+    local = {'inside': data / 'cache', 'equal': data,
+             'parent': tmp_path}[where]
+    with pytest.raises(ValueError, match='overlaps the directory of the '
+                       "dataset's files"):
+        PrefetchMultiprocessIterator(PathList(paths), 4,
+                                     local_dir=str(local), n_processes=1)
+    assert not (data / 'cache').exists()
+    assert sorted(os.listdir(str(data))) == sorted(
+        os.path.basename(p) for p in paths) + ['masks'] * 0
+
+
+def test_stats_keep_their_counts_after_finalize(tmp_path):
+    paths = [str(tmp_path / 'data' / n)
+             for n in _write_images(str(tmp_path / 'data'))]
+    _, stats_before = _iterate(PathList(paths), tmp_path / 'local', 1)
+    # _iterate read stats after finalize(): the counts are there.
+    assert stats_before['examples_from_local'] \
+        + stats_before['examples_from_source'] >= N
+    assert 0 in stats_before['by_epoch']
+
+
+def test_a_capacity_below_every_file_is_warned(tmp_path):
+    paths = [str(tmp_path / 'data' / n)
+             for n in _write_images(str(tmp_path / 'data'))]
+    with pytest.warns(StagingWarning, match=r'local_capacity=10 bytes is '
+                      r'smaller than each file'):
+        iterator = PrefetchMultiprocessIterator(
+            PathList(paths), 4, local_dir=str(tmp_path / 'local'),
+            local_capacity=10, n_processes=1)
+    iterator.finalize()
+
+
+def test_local_dir_expands_the_home_and_warns_about_variables(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv('HOME', str(tmp_path / 'home'))
+    paths = [str(tmp_path / 'data' / n)
+             for n in _write_images(str(tmp_path / 'data'))]
+    iterator = PrefetchMultiprocessIterator(
+        PathList(paths), 4, local_dir='~/stage', n_processes=1)
+    assert iterator.local_dir == str(tmp_path / 'home' / 'stage')
+    iterator.finalize()
+    with pytest.warns(StagingWarning, match=r"contains '\$USER', which "
+                      'Python does not expand'):
+        iterator = PrefetchMultiprocessIterator(
+            PathList(paths), 4, local_dir=str(tmp_path / '$USER' / 'x'),
+            n_processes=1)
+    iterator.finalize()
