@@ -459,7 +459,7 @@ def parse_args(argv):
         args.batches = 30
         args.processes = '2'
         args.methods = ('baseline-local,baseline-remote,proposed-cold,'
-                        'proposed-cold-user,proposed-warm,copy-then-local')
+                        'proposed-warm,copy-then-local')
     args.processes = [int(n) for n in args.processes.split(',')]
     args.copy_thread_sweep = [int(n) for n in args.copy_thread_sweep.split(',')
                               if n]

@@ -6,12 +6,14 @@ files it opens; its opens of staged files are redirected to the copies) and
 judges the opens with ``OpenCheck.check``.  This times, in one process, the
 loads of the benchmarks' JPEGs (``testbed.user_dataset``, read from a local
 copy) with and without that, alternating, and reports the medians per
-example::
+example; then the same for loads that only open a file and read one byte
+(the cost itself, not hidden in a decode)::
 
     python -m chainer_prefetch_bench.minibatch.watch_cost [--images 512]
 
-Output: one line per way and the difference in microseconds per example
-(and as a share of a load), plus ``--out`` JSON.
+Output: per kind of load, the microseconds per example without and with
+watching and the difference (also as a share of a load), plus ``--out``
+JSON.
 """
 import argparse
 import os
@@ -23,6 +25,14 @@ from chainer_prefetch_bench.testbed import jpeg_dataset
 from chainer_prefetch_bench.testbed.machine import machine_description
 from chainer_prefetch_bench.testbed.report import write_json
 from chainer_prefetch_bench.testbed.user_dataset import PathListDataset
+
+
+class FirstByte(PathListDataset):
+    """Loads that open the file and read one byte: no decode."""
+
+    def get_example(self, i):
+        with open(self.paths[i], 'rb') as f:
+            return f.read(1)
 
 
 def _plain(dataset, indices):
@@ -64,20 +74,23 @@ def main(argv=None):
     parser.add_argument('--out', default=None)
     args = parser.parse_args(argv)
     folder = jpeg_dataset.cached_dataset(args.workdir, args.images)
-    dataset = PathListDataset(os.path.join(folder, 'train.txt'), folder)
-    plain, watched = measure(dataset, args.repeats)
-    extra = watched - plain
-    print('load without watching: {:8.1f} us/example'.format(plain * 1e6))
-    print('load with watching:    {:8.1f} us/example'.format(watched * 1e6))
-    print('watching costs         {:8.1f} us/example ({:+.1%} of a load; '
-          'median of {} passes over {} JPEGs)'.format(
-              extra * 1e6, extra / plain, args.repeats, len(dataset)))
+    list_file = os.path.join(folder, 'train.txt')
+    rows = {}
+    for name, dataset in (('JPEG decode', PathListDataset(list_file, folder)),
+                          ('first byte', FirstByte(list_file, folder))):
+        plain, watched = measure(dataset, args.repeats)
+        extra = watched - plain
+        rows[name] = dict(plain_us=plain * 1e6, watched_us=watched * 1e6,
+                          extra_us=extra * 1e6)
+        print('{:<12} without watching {:8.1f} us/example, with {:8.1f}: '
+              '{:+6.1f} us ({:+.1%})'.format(name, plain * 1e6, watched * 1e6,
+                                             extra * 1e6, extra / plain))
+    print('(medians of {} passes over {} JPEGs)'.format(args.repeats,
+                                                       len(dataset)))
     if args.out:
-        write_json(args.out, dict(
-            plain_us=plain * 1e6, watched_us=watched * 1e6,
-            extra_us=extra * 1e6, images=len(dataset),
-            repeats=args.repeats, machine=machine_description()))
-
+        write_json(args.out, dict(rows=rows, images=len(dataset),
+                                  repeats=args.repeats,
+                                  machine=machine_description()))
 
 if __name__ == '__main__':
     main()
