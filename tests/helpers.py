@@ -236,10 +236,13 @@ def is_resource_tracker(pid):
     """Whether ``pid`` is one of multiprocessing's long-lived helpers.
 
     The resource tracker, and the fork server that starts loader processes
-    when the owner runs other threads.
+    when the owner runs other threads (Python's, or the one forked from a
+    script without a main guard).
     """
     cmdline = _read('/proc/{}/cmdline'.format(pid), 'rb') or b''
-    return b'resource_tracker' in cmdline or b'forkserver' in cmdline
+    comm = _read('/proc/{}/comm'.format(pid), 'rb') or b''
+    return (b'resource_tracker' in cmdline or b'forkserver' in cmdline
+            or comm.strip() == b'cp-forkserver')  # _forked_server.NAME
 
 
 def descendants(pid=None):

@@ -46,6 +46,7 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 from chainer_prefetch.errors import WorkerDiedError
+from chainer_prefetch.iterators import _forked_server
 
 TASKS_PER_WORKER = 2
 _POLL_SECONDS = 0.1
@@ -330,6 +331,10 @@ def _start_process(args) -> multiprocessing.process.BaseProcess:
     method = multiprocessing.get_start_method()
     if method == 'fork' and threading.active_count() > 1:
         method = 'forkserver'
+    elif method == 'fork' and _forked_server.main_needs_it():
+        # Later loaders (another iterator's, replacements) may have to come
+        # from the fork server: fork it now, while no thread runs.
+        _forked_server.fork_server_now()
     if method == 'forkserver':
         _preload_worker_code()
     context = multiprocessing.get_context(method)
@@ -360,9 +365,14 @@ def start_loader_server() -> None:
     come from a fork server; the first iterator that needs it starts it and
     waits for it to import Chainer and this package (about a second on a
     loaded node).  Calling this early (before MPI is initialised, before an
-    elastic member registers) does that import meanwhile.  Safe to call more
-    than once; the server lives as long as this process.
+    elastic member registers) does that import meanwhile.  With the ``fork``
+    start method and no thread running yet, the server is forked from this
+    process instead (:mod:`._forked_server`): nothing to import, and no main
+    guard needed.  Safe to call more than once; the server lives as long as
+    this process.
     """
+    if _forked_server.fork_server_now():
+        return
     _preload_worker_code()
     multiprocessing.forkserver.ensure_running()
 
@@ -402,6 +412,7 @@ def on_drop(forget: Callable[[Any], None]):
 
 def _worker_main(connection, initializer, initargs, max_tasks, owner_pid):
     """Loop of a worker process: run tasks until told to stop or retired."""
+    _forked_server.forget_inherited()
     threading.Thread(target=_exit_when_orphaned, args=(owner_pid,),
                      name='exit-with-owner', daemon=True).start()
     initializer(*initargs)
