@@ -64,10 +64,16 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
     one that shares NumPy's global random state with other code sees that
     state one draw ahead.
 
-    Which files an example reads is found through Chainer's dataset wrappers
-    or a two-method protocol: see :mod:`chainer_prefetch.staging.dataset_files`.
-    A dataset without files, or ``local_dir=None``, makes this an ordinary
-    multiprocess iterator.
+    Which files an example reads is found through Chainer's dataset wrappers,
+    in a dataset's attributes (a list of paths, of ``(path, label)`` pairs,
+    ...: :mod:`chainer_prefetch.staging.discovery`), or from a two-method
+    protocol: see :mod:`chainer_prefetch.staging.dataset_files`.  The
+    loaders watch what each example opens and redirect its opens of staged
+    files to the copies (:mod:`chainer_prefetch.staging.open_watch`);
+    what cannot be staged is reported once with a
+    :class:`~chainer_prefetch.StagingWarning` (``docs/staging.rst``).  A
+    dataset that opens no files, or ``local_dir=None``, makes this an
+    ordinary multiprocess iterator.
 
     Failures:
 
@@ -115,7 +121,9 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             start method is ``fork``.
         local_dir (str): Node-local directory for the copies (e.g. on the
             node's SSD).  Created with mode 0700 when missing; may be shared
-            by several iterators and processes.  ``None`` disables staging.
+            by several iterators and processes; ``~`` is expanded.  Must not
+            overlap the directory of the dataset's files (``ValueError``).
+            ``None`` disables staging.
             ``':memory:'`` keeps the local forms in this process's memory
             instead of files, for loader threads (``loader_threads=True``)
             reading Parquet row groups (``ParquetDataset``): no write of

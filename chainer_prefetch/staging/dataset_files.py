@@ -21,6 +21,10 @@ Datasets understood without any help:
   example's ``PreprocessedDataset``) that keeps one or more of the datasets
   above in its attributes and reads example ``i`` of them for its own example
   ``i``.
+* any other object that keeps its paths in attributes, one entry per
+  example (:mod:`.discovery`); its located view is the dataset itself, and
+  the loaders redirect its opens of staged files to the copies
+  (:mod:`.open_watch`).
 
 Custom datasets take part through a two-method protocol (plus one optional
 method)::
