@@ -941,9 +941,11 @@ def test_seeded_sampler_same_sequence(iterator_cls, tracked, shared_mem,
 @pytest.mark.parametrize('shared_mem', [None, MB])
 def test_stalled_dataset_warns(make, iterator_cls, nth, shared_mem):
     batch_size = 2
-    dataset = StallingDataset(5, nth, 0.6)
+    # The batches before the stall (loader start included) must come well
+    # within the timeout on a loaded machine; the stall well beyond it.
+    dataset = StallingDataset(5, nth, 1.5)
     it = make(dataset, batch_size, shuffle=False, repeat=False,
-              dataset_timeout=0.1, shared_mem=shared_mem)
+              dataset_timeout=0.75, shared_mem=shared_mem)
     data = []
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter('always')
@@ -968,8 +970,8 @@ def test_stalled_dataset_warns(make, iterator_cls, nth, shared_mem):
 def test_stalled_dataset_error_filter(make, shared_mem):
     # the documented recipe: filter on the *reference* class; ours is a
     # subclass, so the same filter must turn its warning into an error
-    it = make(StallingDataset(6, 2, 1.0), 2, shuffle=False,
-              dataset_timeout=0.1, shared_mem=shared_mem)
+    it = make(StallingDataset(6, 2, 1.5), 2, shuffle=False,
+              dataset_timeout=0.75, shared_mem=shared_mem)
     with warnings.catch_warnings():
         warnings.simplefilter('error', REF.TimeoutWarning)
         it.next()
@@ -988,7 +990,7 @@ def test_no_warning_when_timeout_disabled(make):
 
 
 def test_fast_dataset_no_warning(make):
-    it = make(numpy.arange(20), 4, dataset_timeout=0.5, n_prefetch=2)
+    it = make(numpy.arange(20), 4, dataset_timeout=5.0, n_prefetch=2)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter('always')
         take(it, 10)

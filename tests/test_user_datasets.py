@@ -113,8 +113,9 @@ class BoundGetters(chainer.dataset.DatasetMixin):
 def _iterate(dataset, local_dir, epochs, after_first=None, **options):
     """Values of ``epochs`` epochs in index order; ``after_first()`` runs
     once the first epoch is done."""
+    options = dict(dict(n_processes=2), **options)
     iterator = PrefetchMultiprocessIterator(
-        dataset, 4, shuffle=False, n_processes=2, local_dir=str(local_dir),
+        dataset, 4, shuffle=False, local_dir=str(local_dir),
         recheck_sources='never', n_copy_ahead=2, **options)
     values = []
     try:
@@ -296,7 +297,7 @@ def test_a_local_dir_overlapping_the_dataset_is_refused(tmp_path, where):
                                      local_dir=str(local), n_processes=1)
     assert not (data / 'cache').exists()
     assert sorted(os.listdir(str(data))) == sorted(
-        os.path.basename(p) for p in paths) + ['masks'] * 0
+        os.path.basename(p) for p in paths)
 
 
 def test_stats_keep_their_counts_after_finalize(tmp_path):
@@ -335,3 +336,54 @@ def test_local_dir_expands_the_home_and_warns_about_variables(
             PathList(paths), 4, local_dir=str(tmp_path / '$USER' / 'x'),
             n_processes=1)
     iterator.finalize()
+    assert "contains '$USER'" in iterator.stats['staging_warnings'][0]
+
+
+class CachesDecoded(PathList):
+    """Opens each file once per loader process, then serves its cache."""
+
+    def __init__(self, paths):
+        super().__init__(paths)
+        self.cache = {}
+
+    def get_example(self, i):
+        if i not in self.cache:
+            self.cache[i] = _read(self.paths[i])
+        return self.cache[i]
+
+
+def test_a_dataset_serving_its_own_cache_is_not_reported(tmp_path):
+    paths = [str(tmp_path / 'data' / n)
+             for n in _write_images(str(tmp_path / 'data'))]
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', StagingWarning)
+        values, stats = _iterate(CachesDecoded(paths), tmp_path / 'local', 3,
+                                 n_processes=1)
+    assert values == list(range(N)) * 3
+    assert stats['examples_from_source'] == 0
+
+
+class ReadsWithC(PathList):
+    """Reads its files through C's stdio, which no redirection reaches."""
+
+    def get_example(self, i):
+        import ctypes
+        libc = ctypes.CDLL(None)
+        libc.fopen.restype = ctypes.c_void_p
+        handle = libc.fopen(os.fsencode(self.paths[i]), b'rb')
+        assert handle, self.paths[i]
+        libc.fclose(ctypes.c_void_p(handle))
+        return i
+
+
+def test_files_read_by_a_c_library_are_reported_and_counted(tmp_path):
+    paths = [str(tmp_path / 'data' / n)
+             for n in _write_images(str(tmp_path / 'data'))]
+    with pytest.warns(StagingWarning, match=r"opened none of its files .* "
+                      "through Python's open"):
+        values, stats = _iterate(ReadsWithC(paths), tmp_path / 'local', 2,
+                                 n_processes=1)
+    assert values == list(range(N)) * 2
+    # The first examples might have come from a cache; from the eighth on,
+    # every example of the loader counts as read from shared storage.
+    assert stats['examples_from_source'] >= 2 * N - 7

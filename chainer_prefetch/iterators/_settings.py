@@ -4,7 +4,7 @@ import multiprocessing
 import os
 import re
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy
 from chainer.iterators.order_samplers import ShuffleOrderSampler
@@ -136,7 +136,7 @@ def _check_positive_int(name, value):
             name, value))
 
 
-_WARNED_PATHS = set()
+_WARNED_PATHS: Dict[str, str] = {}
 _VARIABLE = re.compile(r'\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)')
 
 
@@ -152,13 +152,19 @@ def _local_dir(local_dir):
     if isinstance(path, bytes):
         path = os.fsdecode(path)
     variable = _VARIABLE.search(path)
+    path = os.path.expanduser(path)
     if variable and path not in _WARNED_PATHS:
-        _WARNED_PATHS.add(path)
-        warnings.warn(
+        _WARNED_PATHS[path] = (
             'local_dir {!r} contains {!r}, which Python does not expand: the '
             'copies go to a directory literally named {!r}; expand it '
             'yourself (os.path.expandvars(...), or an f-string with '
             'os.environ[...])'.format(path, variable.group(0),
-                                      variable.group(0)),
-            StagingWarning, stacklevel=5)
-    return os.path.expanduser(path)
+                                      variable.group(0)))
+        warnings.warn(_WARNED_PATHS[path], StagingWarning, stacklevel=5)
+    return path
+
+
+def local_dir_warnings(local_dir) -> Tuple[str, ...]:
+    """The warnings given about ``local_dir`` (see ``_local_dir``)."""
+    message = _WARNED_PATHS.get(local_dir)
+    return () if message is None else (message,)

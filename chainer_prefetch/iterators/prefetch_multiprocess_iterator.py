@@ -260,7 +260,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         self._files = self._store = self._located_dataset = None
         self._item_of = self._item_bytes = None
         self._open_check = None
-        self._staging_warnings = []
+        self._staging_warnings = list(_settings.local_dir_warnings(
+            settings.local_dir))
         self._warned_findings = set()
         if settings.local_dir is None:
             return
@@ -293,7 +294,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                 raise
         except LocalStorageError as error:
             self._warn_staging('{}; reading the dataset from its source '
-                               'instead.'.format(error))
+                               'instead.'.format(error), stacklevel=4)
             return
         if self._store.limited and item_of is not None:
             # Stages 1-2 run only as far ahead as the room holds the items.
@@ -306,7 +307,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             None if settings.local_dir == MEMORY else directory.locate,
             root, files.by_redirection())
 
-    def _warn_staging(self, message: str, stacklevel: int = 3) -> None:
+    def _warn_staging(self, message: str, stacklevel: int) -> None:
         """Issues a :class:`StagingWarning` and keeps it for ``stats``."""
         self._staging_warnings.append(message)
         warnings.warn(message, StagingWarning, stacklevel=stacklevel)
@@ -317,10 +318,10 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         missing = checks.missing_files(paths)
         if missing is not None:
             self._warn_staging(
-                '{}: none of the files its examples name exists (e.g. {}), so '
-                'nothing can be staged; if the dataset reads other files, '
+                '{}: none of the files its examples name exists (e.g. {}), '
+                'so nothing can be staged; if the dataset reads other files, '
                 'make its example_files name them (docs/staging.rst)'.format(
-                    name, missing))
+                    name, missing), stacklevel=5)
         capacity = self.settings.local_capacity
         smallest = checks.smallest_bytes(paths)
         if capacity is not None and smallest is not None and smallest > capacity:
@@ -328,7 +329,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                 'local_capacity={} bytes is smaller than each file of the '
                 'examples looked at (the smallest: {} bytes), so every '
                 'example will be read from shared storage; give a larger '
-                'local_capacity'.format(capacity, smallest))
+                'local_capacity'.format(capacity, smallest), stacklevel=5)
 
     def _on_finding(self, index: int, finding) -> None:
         """What a loader saw an example open (see ``OpenCheck.check``): warns
@@ -429,7 +430,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             where = ('memory' if self.settings.local_dir == MEMORY
                      else 'the local directory')
             self._warn_staging('Copying to {} stopped ({}); reading the rest '
-                               'from shared storage.'.format(where, reason))
+                               'from shared storage.'.format(where, reason),
+                               stacklevel=4)
 
     @property
     def stats(self):
@@ -630,10 +632,12 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
 _FINDINGS = {
     open_watch.SOURCE_READ: (
         '{dataset}: example {index} read {path} from shared storage although '
-        'its local copy was staged (its located view still names the source, '
-        'and the open was not redirected: os.open, or a C library?); it '
-        'counts in examples_from_source.  Make with_file_locations return a '
-        'dataset that reads locate(path) (docs/staging.rst)'),
+        'its local copy was staged: opened in a way the redirection of '
+        "Python's open does not reach (os.open, io.FileIO, another thread), "
+        'or by a with_file_locations view that still names the source; it '
+        'counts in examples_from_source.  Read the file with open(), or '
+        'declare example_files and a with_file_locations view that reads '
+        'locate(path) (docs/staging.rst)'),
     open_watch.NOT_SEEN: (
         '{dataset}: example {index} opened none of its files ({path}, ...) '
         "through Python's open, so its reads could not be redirected to the "
@@ -643,8 +647,9 @@ _FINDINGS = {
     open_watch.UNSTAGED: (
         '{dataset}: example {index} opened {path}, which was not staged for '
         'it: a wrapper that reads another index of its dataset (a slice, a '
-        'reordering)?  That file is read from shared storage.  Give the '
-        'wrapper example_files(i) naming the files self[i] reads '
+        'reordering), or a file that many examples share?  That file is read '
+        'from shared storage.  Give the wrapper example_files(i) naming the '
+        'files self[i] reads, with example_file_groups for shared files '
         '(docs/staging.rst)'),
     open_watch.UNNAMED: (
         '{dataset} names no files this iterator can find, but example '

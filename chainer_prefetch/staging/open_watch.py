@@ -111,6 +111,10 @@ UNNAMED = 'unnamed'
 
 _SYSTEM_SUFFIXES = ('.py', '.pyc', '.so', '.pth')
 
+SILENT_EXAMPLES = 8
+"""Examples in a row that open nothing, in a loader that never saw one of
+its redirected opens, before their files count as read unseen (NOT_SEEN)."""
+
 
 def _system_prefixes():
     prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, '/proc', '/sys',
@@ -145,6 +149,10 @@ class OpenCheck:
             source_root, '')
         self.by_redirection = by_redirection
         self._system = _system_prefixes()
+        # Per process: whether a redirected open was ever seen here, and how
+        # many examples in a row opened nothing since the start.
+        self._redirect_seen = False
+        self._silent = 0
 
     def redirect(self, files, read_local: bool) -> Optional[Dict[str, str]]:
         """The redirection for an example with ``files`` read from copies."""
@@ -168,8 +176,10 @@ class OpenCheck:
             ``SOURCE_READ`` (it opened a staged file's source),
             ``UNSTAGED`` (it opened a file under the dataset's directory
             that was not staged for it), ``NOT_SEEN`` (by redirection, it
-            opened none of its files through Python) and ``UNNAMED`` (the
-            dataset names no files but opened one).
+            and the ``SILENT_EXAMPLES - 1`` before it in this process
+            opened nothing through Python, and no redirected open was ever
+            seen here) and ``UNNAMED`` (the dataset names no files but
+            opened one).
         """
         paths = [os.path.abspath(p) for p in opened]
         if files is None:
@@ -187,10 +197,21 @@ class OpenCheck:
                 return True, (SOURCE_READ, leaked)
             if unstaged is not None:
                 return True, (UNSTAGED, unstaged)
-            if self.by_redirection and expected and not any(
-                    self._local(p) for p in paths):
-                return True, (NOT_SEEN, sorted(expected)[0])
+            if self.by_redirection and expected:
+                if any(self._local(p) for p in paths):
+                    self._redirect_seen = True
+                elif not self._redirect_seen and self._silent_again(paths):
+                    return True, (NOT_SEEN, sorted(expected)[0])
         return False, None if unstaged is None else (UNSTAGED, unstaged)
+
+    def _silent_again(self, paths: List[str]) -> bool:
+        """Whether, with no redirected open ever seen in this process, this
+        example is one more that opened nothing: after ``SILENT_EXAMPLES`` in
+        a row its files are taken to be read where no redirection reaches
+        (a C library); before, it may have come from the dataset's own
+        cache, and counts as local."""
+        self._silent = 0 if paths else self._silent + 1
+        return self._silent >= SILENT_EXAMPLES
 
     def _local(self, path: str) -> bool:
         return self.local_root is not None and path.startswith(self.local_root)
