@@ -166,6 +166,9 @@ def example_load_error(error: BaseException, index: Optional[int],
                 combined = cls.__new__(cls, *error.args)
                 combined.args = error.args
                 combined.__dict__.update(getattr(error, '__dict__', {}))
+                if isinstance(error, OSError):  # kept outside args
+                    combined.filename = error.filename
+                    combined.filename2 = error.filename2
             except Exception:  # an exception type with an unusual __new__
                 combined = None
     if combined is None:

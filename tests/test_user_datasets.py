@@ -387,3 +387,20 @@ def test_files_read_by_a_c_library_are_reported_and_counted(tmp_path):
     # The first examples might have come from a cache; from the eighth on,
     # every example of the loader counts as read from shared storage.
     assert stats['examples_from_source'] >= 2 * N - 7
+
+
+def test_a_missing_file_raises_with_its_name_and_index(tmp_path):
+    paths = [str(tmp_path / 'data' / n)
+             for n in _write_images(str(tmp_path / 'data'))]
+    os.remove(paths[2])  # (not among the entries discovery looks at)
+    iterator = PrefetchMultiprocessIterator(
+        PathList(paths), 4, shuffle=False, n_processes=1,
+        local_dir=str(tmp_path / 'local'))
+    try:
+        with pytest.raises(FileNotFoundError) as raised:
+            iterator.next()
+    finally:
+        iterator.finalize()
+    assert raised.value.filename == paths[2]
+    assert raised.value.index == 2
+    assert 'example 2' in str(raised.value)
