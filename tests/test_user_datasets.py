@@ -162,8 +162,8 @@ SHAPES = ['list', 'pairs_under_root', 'image_and_mask', 'numpy_array',
 def test_a_users_dataset_is_staged_and_read_locally(tmp_path, shape, wrapper):
     dataset, expected, files_each = _shapes(tmp_path)[shape]
     if wrapper == 'subdataset':
-        dataset = SubDataset(dataset, 2, N)
-        expected = expected[2:]
+        dataset = SubDataset(dataset, 4, N)
+        expected = expected[4:]
     elif wrapper == 'transform':
         dataset = TransformDataset(dataset, lambda v: v + 1000)
         expected = [v + 1000 for v in expected]
@@ -263,16 +263,50 @@ class BuildsItsPaths(chainer.dataset.DatasetMixin):
         return _read(self._root_dir + self._ids[i] + '.png')
 
 
-def test_a_dataset_naming_no_files_but_opening_some_is_warned(tmp_path):
+@pytest.mark.parametrize('wrapper', ['plain', 'subdataset', 'transform'])
+def test_a_dataset_building_its_paths_is_learned_and_staged(tmp_path,
+                                                             wrapper):
+    """VOC-like: epoch 0 reads shared storage (and is warned about), the
+    files its examples opened are staged from epoch 1 on."""
     data = str(tmp_path / 'data')
     ids = [n[:-4] for n in _write_images(data)]
-    with pytest.warns(StagingWarning, match=r'BuildsItsPaths names no files '
-                      r'this iterator can find, but example \d+ opened '):
-        values, stats = _iterate(BuildsItsPaths(data, ids),
-                                 tmp_path / 'local', 1)
-    assert values == list(range(N))
-    assert stats['examples_from_local'] == 0
-    assert not (tmp_path / 'local').exists()
+    dataset, expected = BuildsItsPaths(data, ids), list(range(N))
+    if wrapper == 'subdataset':
+        dataset, expected = SubDataset(dataset, 4, N), expected[4:]
+    elif wrapper == 'transform':
+        dataset = TransformDataset(dataset, lambda v: v + 1000)
+        expected = [v + 1000 for v in expected]
+    with pytest.warns(StagingWarning, match=r'\w+ names no files this '
+                      r'iterator can find, but example \d+ opened .*learned'):
+        values, stats = _iterate(
+            dataset, tmp_path / 'local', 3,
+            after_first=None)
+    assert values == expected * 3
+    epochs = stats['by_epoch']
+    assert epochs[0]['examples_from_source'] == len(expected)
+    assert epochs[0]['examples_from_local'] == 0
+    assert epochs[1]['examples_from_local'] + epochs[1][
+        'examples_from_source'] >= len(expected)
+    assert epochs[2]['examples_from_local'] == len(expected)
+    assert stats['files_copied'] == len(expected)
+
+
+def test_a_learned_dataset_reads_its_copies_when_the_sources_are_gone(
+        tmp_path):
+    data = str(tmp_path / 'data')
+    ids = [n[:-4] for n in _write_images(data)]
+    iterator = PrefetchMultiprocessIterator(
+        BuildsItsPaths(data, ids), 4, shuffle=False, n_processes=2,
+        local_dir=str(tmp_path / 'local'), recheck_sources='never')
+    try:
+        with pytest.warns(StagingWarning):
+            first = [v for _ in range(3) for v in iterator.next()]
+        second = [v for _ in range(3) for v in iterator.next()]  # copies made
+        shutil.rmtree(data)
+        third = [v for _ in range(3) for v in iterator.next()]
+    finally:
+        iterator.finalize()
+    assert first == second == third == list(range(N))
 
 
 def test_an_in_memory_dataset_gets_no_warning_and_no_directory(tmp_path):

@@ -18,6 +18,7 @@ from chainer_prefetch.staging import checks, open_watch
 from chainer_prefetch.staging.dataset_files import (
     ItemLocalBytes,
     ItemSources,
+    LearnedFiles,
     resolve_dataset_files,
 )
 from chainer_prefetch.staging.local_directory import LocalDirectory
@@ -222,6 +223,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
     _finalized = False
     _executor = None  # finalize() may run on a half-constructed object
     _final_counts = ({}, {}, None)  # the pipeline's counters at finalize()
+    _learned = None  # index -> files the loaders saw it open (to be staged)
     _store = None
 
     def __init__(self, dataset, batch_size, repeat=True, shuffle=None,
@@ -260,6 +262,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         self._files = self._store = self._located_dataset = None
         self._item_of = self._item_bytes = None
         self._open_check = None
+        self._learned = None
+        self._retired_counts = ({}, {}, None)
         self._staging_warnings = list(_settings.local_dir_warnings(
             settings.local_dir))
         self._warned_findings = set()
@@ -267,8 +271,11 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             return
         files = resolve_dataset_files(settings.dataset)
         if files is None:
-            # Nothing known to stage: the loaders tell whether it opens files.
+            # Nothing known to stage: the loaders tell what it opens, and
+            # what they tell is staged from the next epoch on.
             self._open_check = OpenCheck(None)
+            if settings.local_dir != MEMORY:
+                self._learned = {}
             return
         item_of = files.item_of()
         if item_of is not None:
@@ -280,6 +287,13 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         if settings.local_dir != MEMORY:
             checks.check_apart(settings.local_dir, root)
         self._warn_about_samples(paths)
+        self._stage(files, item_of, root, stacklevel=5)
+
+    def _stage(self, files, item_of, root, stacklevel):
+        """Sets up stage 2 for ``files`` (a store, the located view and the
+        loaders' check); warns and leaves staging off if the local side
+        cannot be used."""
+        settings = self.settings
         try:
             directory = (LocalMemory(self._stop_event)
                          if settings.local_dir == MEMORY
@@ -294,7 +308,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                 raise
         except LocalStorageError as error:
             self._warn_staging('{}; reading the dataset from its source '
-                               'instead.'.format(error), stacklevel=4)
+                               'instead.'.format(error), stacklevel=stacklevel)
             return
         if self._store.limited and item_of is not None:
             # Stages 1-2 run only as far ahead as the room holds the items.
@@ -306,6 +320,34 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             directory.data_root,
             None if settings.local_dir == MEMORY else directory.locate,
             root, files.by_redirection())
+
+    def _stage_learned(self):
+        """At an epoch's end: stages, from now on, the files the loaders saw
+        the examples open (a dataset that builds its paths in
+        ``get_example``).  The pipeline restarts from the current position
+        with loaders that redirect those opens to the copies."""
+        learned, self._learned = self._learned, None
+        files = LearnedFiles(self.settings.dataset, learned)
+        paths = sorted({p for found in learned.values() for p in found})
+        root = checks.source_root(paths)
+        try:
+            checks.check_apart(self.settings.local_dir, root)
+        except ValueError as error:
+            self._warn_staging('{}; the files {} opens are not staged'.format(
+                error, type(self.settings.dataset).__name__), stacklevel=4)
+            return
+        self._retire_pipeline()
+        self._stop_event = threading.Event()  # (the old one stopped it)
+        self._stage(files, None, root, stacklevel=4)
+
+    def _retire_pipeline(self):
+        """Stops the running pipeline, keeping its counters for ``stats``."""
+        if self._executor is None:
+            return
+        counts = self._executor.stats()
+        self._executor_finalizer()
+        self._executor = None
+        self._retired_counts = _added(self._retired_counts, counts)
 
     def _warn_staging(self, message: str, stacklevel: int) -> None:
         """Issues a :class:`StagingWarning` and keeps it for ``stats``."""
@@ -335,6 +377,11 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         """What a loader saw an example open (see ``OpenCheck.check``): warns
         once per kind.  Runs on the pipeline's threads."""
         kind, path = finding
+        if kind == open_watch.UNNAMED:
+            learned = self._learned
+            if learned is not None:
+                learned[index] = path
+            path = path[0]
         if kind in self._warned_findings:
             return
         self._warned_findings.add(kind)
@@ -416,6 +463,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         self._state = state
         if batch is None:
             raise StopIteration
+        if self._learned and self.is_new_epoch:
+            self._stage_learned()
         if self._first_batch_seconds is None:
             self._first_batch_seconds = waited
         self._batches_delivered += 1
@@ -478,9 +527,9 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             values.update(self._store.counters.snapshot())
             values['local_storage_error'] = self._store.disabled
             values['local_bytes_used'] = self._store.bytes_used()
-        counts, by_epoch, cache = (
+        counts, by_epoch, cache = _added(self._retired_counts, (
             self._final_counts if self._executor is None
-            else self._executor.stats())
+            else self._executor.stats()))
         for name in _ACCESS_COUNTS:
             values[name] = counts.get(name, 0)
         values['by_epoch'] = {epoch: {name: epoch_counts.get(name, 0)
@@ -653,10 +702,11 @@ _FINDINGS = {
         '(docs/staging.rst)'),
     open_watch.UNNAMED: (
         '{dataset} names no files this iterator can find, but example '
-        '{index} opened {path}: nothing is staged and every example is read '
-        'from shared storage.  Keep the paths in an attribute with one entry '
-        'per example, or give the dataset example_files and '
-        'with_file_locations (docs/staging.rst)'),
+        '{index} opened {path}: the files its examples open are learned '
+        'from this epoch, which reads them from shared storage, and staged '
+        'from the next.  To stage from the start, keep the paths in an '
+        'attribute with one entry per example, or give the dataset '
+        'example_files and with_file_locations (docs/staging.rst)'),
 }
 
 _STORE_DEFAULTS = STORE_COUNTERS
@@ -665,6 +715,20 @@ _ACCESS_COUNTS = ('examples_staged', 'examples_not_staged',
                   'examples_from_cache', 'examples_fallback')
 _EPOCH_COUNTS = ('examples_from_local', 'examples_from_source',
                  'examples_from_cache', 'bytes_from_source', 'bytes_copied')
+
+
+def _added(first, second):
+    """Two ``Executor.stats()`` results as one (the counters summed; the
+    next-epoch cache's of the second)."""
+    counts = dict(first[0])
+    for name, value in second[0].items():
+        counts[name] = counts.get(name, 0) + value
+    by_epoch = {epoch: dict(values) for epoch, values in first[1].items()}
+    for epoch, values in second[1].items():
+        merged = by_epoch.setdefault(epoch, {})
+        for name, value in values.items():
+            merged[name] = merged.get(name, 0) + value
+    return counts, by_epoch, second[2] if second[2] is not None else first[2]
 
 
 def _weakly(method):

@@ -277,6 +277,32 @@ class _DiscoveredFiles(DatasetFiles):
         return self._dataset  # the loaders redirect its opens
 
 
+class LearnedFiles(DatasetFiles):
+    """The files the loaders saw each example of a dataset open.
+
+    For a dataset that builds its paths inside ``get_example`` (and names
+    them nowhere else): what its first epoch opened is staged from then on,
+    and the loaders redirect its opens to the copies.
+
+    Args:
+        dataset: The dataset (the iterator's, at the top of the tree).
+        learned: ``{index: paths}``; an index not in it reads no file.
+    """
+
+    def __init__(self, dataset, learned: Dict[int, Tuple[str, ...]]):
+        self._dataset = dataset
+        self._learned = learned
+
+    def files(self, index):
+        return self._learned.get(int(index), ())
+
+    def by_redirection(self):
+        return True
+
+    def located(self, locate):
+        return self._dataset  # the loaders redirect its opens
+
+
 class _ProtocolFiles(DatasetFiles):
 
     def __init__(self, dataset):

@@ -179,12 +179,12 @@ class OpenCheck:
             and the ``SILENT_EXAMPLES - 1`` before it in this process
             opened nothing through Python, and no redirected open was ever
             seen here) and ``UNNAMED`` (the dataset names no files but
-            opened one).
+            opened some: then ``path`` is every such file, sorted).
         """
         paths = [os.path.abspath(p) for p in opened]
         if files is None:
-            found = next((p for p in paths if self._user_file(p)), None)
-            return False, None if found is None else (UNNAMED, found)
+            found = tuple(sorted({p for p in paths if self._user_file(p)}))
+            return False, (UNNAMED, found) if found else None
         expected = {os.path.abspath(f) for f in files if isinstance(f, str)}
         unstaged = None
         if self.source_root is not None:
