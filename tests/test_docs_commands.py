@@ -82,4 +82,7 @@ def test_launcher_command_trains_with_snapshots(tmp_path):
     out = tmp_path / 'result' / 'local_multiprocess_k3'
     events = _events(tmp_path, 'result/local_multiprocess_k3/ft_events.jsonl')
     _one_model([e for e in events if e['event'] == 'finished'], 3)
-    assert glob.glob(str(out / 'snapshot_iter_*')), os.listdir(str(out))
+    snapshots = sorted(os.path.basename(p)
+                       for p in glob.glob(str(out / 'snapshot_iter_*')))
+    assert snapshots == ['snapshot_iter_120', 'snapshot_iter_40',
+                         'snapshot_iter_80'], os.listdir(str(out))
