@@ -167,8 +167,10 @@ def example_load_error(error: BaseException, index: Optional[int],
                 combined.args = error.args
                 combined.__dict__.update(getattr(error, '__dict__', {}))
                 if isinstance(error, OSError):  # kept outside args
-                    combined.filename = error.filename
-                    combined.filename2 = error.filename2
+                    # (set only when there: OSError's message shows any set)
+                    for name in ('filename', 'filename2'):
+                        if getattr(error, name) is not None:
+                            setattr(combined, name, getattr(error, name))
             except Exception:  # an exception type with an unusual __new__
                 combined = None
     if combined is None:
