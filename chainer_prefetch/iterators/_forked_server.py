@@ -17,6 +17,7 @@ or the start method is ``forkserver`` or ``spawn`` (chosen to keep the
 loaders away from this process's state), Python's own start is left alone.
 """
 import ctypes
+import functools
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -35,6 +36,7 @@ NAME = b'cp-forkserver'
 _GUARD = re.compile(r"""__name__\s*==\s*['"]__main__['"]""")
 
 
+@functools.lru_cache(maxsize=None)  # (the main module does not change)
 def main_needs_it() -> bool:
     """Whether Python's own fork server cannot serve this main module: code
     from ``python -c``, a notebook or the interactive prompt (no file to

@@ -101,20 +101,9 @@ class Loader:
         buffer = self.buffer(buffer_key)
         results = []
         for position, index, read_local in entries:
-            finding = None
             try:
-                if self.open_check is None:
-                    read_from, example = self._read(index, read_local)
-                else:
-                    files = (None if self.dataset_files is None
-                             else self.dataset_files.files(index))
-                    with open_watch.watching(self.open_check.redirect(
-                            files or (), read_local)) as opened:
-                        read_from, example = self._read(index, read_local)
-                    read_source, finding = self.open_check.check(
-                        files, read_from == LOCAL, opened)
-                    if read_source:
-                        read_from = SOURCE
+                read_from, example, finding = self._watched_read(
+                    index, read_local)
             except Exception as error:
                 results.append((None, _picklable(error), traceback.format_exc()))
                 break
@@ -127,6 +116,21 @@ class Loader:
                             0 if read_from == LOCAL else self.source_bytes([index]),
                             unfit, finding))
         return results
+
+    def _watched_read(self, index, read_local):
+        """``(read_from, example, finding)``: :meth:`_read` with the opens
+        watched and judged by ``open_check`` (see ``OpenCheck.check``)."""
+        check = self.open_check
+        if check is None:
+            return self._read(index, read_local) + (None,)
+        expected = check.expected(None if self.dataset_files is None
+                                  else self.dataset_files.files(index))
+        with open_watch.watching(check.redirect(expected, read_local)) \
+                as opened:
+            read_from, example = self._read(index, read_local)
+        read_source, finding = check.check(expected, read_from == LOCAL,
+                                           opened)
+        return SOURCE if read_source else read_from, example, finding
 
     def _read(self, index, read_local):
         """``(read_from, example)``: the located view for ``read_local``,

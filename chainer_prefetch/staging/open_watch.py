@@ -154,20 +154,30 @@ class OpenCheck:
         self._redirect_seen = False
         self._silent = 0
 
-    def redirect(self, files, read_local: bool) -> Optional[Dict[str, str]]:
-        """The redirection for an example with ``files`` read from copies."""
-        if not read_local or self.locate is None:
+    @staticmethod
+    def expected(files) -> Optional[Dict[str, str]]:
+        """``{absolute path: path as named}`` of the plain files in ``files``
+        (what an example reads; ``None``: the dataset names no files)."""
+        if files is None:
             return None
-        return {os.path.abspath(f): self.locate(f) for f in files
-                if isinstance(f, str)}
+        return {os.path.abspath(f): f for f in files if isinstance(f, str)}
 
-    def check(self, files, read_local: bool, opened: List[str]):
+    def redirect(self, expected: Optional[Dict[str, str]],
+                 read_local: bool) -> Optional[Dict[str, str]]:
+        """The redirection of :func:`watching` for an example that reads
+        ``expected`` (:meth:`expected`) from its copies if ``read_local``."""
+        if not read_local or self.locate is None or not expected:
+            return None
+        return {path: self.locate(named) for path, named in expected.items()}
+
+    def check(self, expected: Optional[Dict[str, str]], read_local: bool,
+              opened: List[str]):
         """``(read_source, finding)`` for an example.
 
         Args:
-            files: What stage 2 knew the example reads (``None``: the dataset
-                names no files at all).
-            read_local: Whether its copies were staged and to be read.
+            expected: What stage 2 knew the example reads (:meth:`expected`;
+                ``None``: the dataset names no files at all).
+            read_local: Whether its copies were staged and read.
             opened: The paths it opened for reading (:func:`watching`).
 
         Returns:
@@ -182,10 +192,9 @@ class OpenCheck:
             opened some: then ``path`` is every such file, sorted).
         """
         paths = [os.path.abspath(p) for p in opened]
-        if files is None:
+        if expected is None:
             found = tuple(sorted({p for p in paths if self._user_file(p)}))
             return False, (UNNAMED, found) if found else None
-        expected = {os.path.abspath(f) for f in files if isinstance(f, str)}
         unstaged = None
         if self.source_root is not None:
             unstaged = next((p for p in paths if p not in expected

@@ -42,10 +42,10 @@ def _plain(dataset, indices):
 
 def _watched(dataset, indices, check):
     for i in indices:
-        files = (dataset.paths[i],)
-        with watching(check.redirect(files, True)) as opened:
+        expected = check.expected((dataset.paths[i],))
+        with watching(check.redirect(expected, True)) as opened:
             dataset[i]
-        check.check(files, True, opened)
+        check.check(expected, True, opened)
 
 
 def measure(dataset, repeats: int):
