@@ -37,9 +37,13 @@ class PathField(NamedTuple):
 
     def path(self, dataset, index: int) -> str:
         """The path of example ``index`` as the dataset opens it."""
-        entry = getattr(dataset, self.attribute)[index]
-        value = entry if self.field is None else entry[self.field]
-        return os.path.join(self.root, os.fsdecode(os.fspath(value)))
+        return os.path.join(self.root, _path_in(
+            getattr(dataset, self.attribute)[index], self.field))
+
+
+def _path_in(entry, field) -> str:
+    """The path at ``field`` of ``entry`` (``None``: the entry itself)."""
+    return os.fsdecode(os.fspath(entry if field is None else entry[field]))
 
 
 def sample_indices(length: int, count: int = SAMPLE) -> List[int]:
@@ -67,14 +71,15 @@ def find_path_attributes(dataset) -> Tuple[PathField, ...]:
     if length == 0:
         return ()
     roots = _root_candidates(attributes)
+    indices = sample_indices(length)
     found = []
     for name, value in attributes.items():
         if not _is_sequence(value) or _length(value) != length:
             continue
-        field = _path_field(value, sample_indices(length))
+        field = _path_field(value, indices)
         if field is _NONE:
             continue
-        root = _root_of(value, field, sample_indices(length), roots)
+        root = _root_of(value, field, indices, roots)
         if root is not None:
             found.append(PathField(name, field, root))
     return tuple(found)
@@ -129,11 +134,7 @@ def _root_of(sequence, field, indices: List[int],
              roots: List[str]) -> Optional[str]:
     """The root under which every sampled path is a file (``''``: the paths
     as they are), or ``None`` when none fits."""
-    paths = []
-    for i in indices:
-        entry = sequence[i]
-        value = entry if field is None else entry[field]
-        paths.append(os.fsdecode(os.fspath(value)))
+    paths = [_path_in(sequence[i], field) for i in indices]
     for root in [''] + roots:
         if all(os.path.isfile(os.path.join(root, p)) for p in paths):
             return root
