@@ -236,12 +236,12 @@ class StoredRows:
     the GIL throughout (:data:`TAKE_ROWS`): the compiled
     ``chainer_prefetch._take_rows`` where it was built at installation (a C
     compiler and Python's headers), else :func:`take_rows_python`, which
-    finds each row's byte range and slices it in Python.  For 100 rows the
-    compiled one takes 3-7 us for short strings (35 bytes) against 30-45,
-    and 64-68 us for images (6.5 KB, of 18 record batches) against 115-125.
-    Assigning NumPy slices row by row would also give the GIL up and take
-    it back for every row, which costs far more than the copy while other
-    threads of the process wait for it, as loader threads do.
+    finds each row's byte range and slices it in Python.  The compiled one
+    takes no interpreter step per row, which is most of the cost for short
+    values (strings, token lists).  Assigning NumPy slices row by row would
+    also give the GIL up and take it back for every row, which costs far
+    more than the copy while other threads of the process wait for it, as
+    loader threads do.
 
     Args:
         sources: One-dimensional arrays of values (one dtype).

@@ -1,11 +1,15 @@
 """Every exception of chainer_prefetch, under one base class.
 
 :class:`ChainerPrefetchError` is the base of everything the package raises
-on its own account.  An error raised by the user's dataset keeps its type:
-``next()`` raises an exception that is an instance of the dataset's own
-exception class *and* of :class:`ExampleLoadError`, whose message adds the
-example's index and files, and whose cause (``__cause__``) carries the
-traceback from the loader process (see :func:`example_load_error`).  So
+on its own account, the errors of elastic training
+(:class:`chainer_prefetch.elastic.errors.ElasticError`) and of fault
+tolerance (:class:`chainer_prefetch.resilience.errors.ResilienceError`)
+included; those two are also ``RuntimeError``.  An error raised by the
+user's dataset keeps its type: ``next()`` raises an exception that is an
+instance of the dataset's own exception class *and* of
+:class:`ExampleLoadError`, whose message adds the example's index and files,
+and whose cause (``__cause__``) carries the traceback from the loader
+process (see :func:`example_load_error`).  So
 ``except FileNotFoundError`` works as with Chainer's ``MultiprocessIterator``
 and ``except chainer_prefetch.ExampleLoadError`` catches every load failure.
 """

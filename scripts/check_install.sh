@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # What a user installs: a fresh virtual environment with only `pip install .`
 # (plus Chainer's build constraint) imports and runs the iterator, staging
-# real files; the parquet and mpi extras install and their parts work; without
-# a C compiler the installation still goes on (rows are then taken in Python,
-# not by the C extension); the bench and test extras resolve.  (The elastic extra's PyTorch needs
-# setuptools>=77, which Chainer's import cannot take: README.rst,
-# "Installation".)  Used by .ci/run; about a minute.
+# real files, and passes the pure elastic and resilience tests (no mpi4py,
+# torch or etcd3gw there); the parquet and mpi extras install and their parts
+# work; without a C compiler the installation still goes on (rows are then
+# taken in Python, not by the C extension); the bench and test extras
+# resolve; in another fresh virtual environment the elastic extra alone,
+# installed as README.rst ("Installation") writes it, keeps `import chainer`
+# working and imports elastic training without mpi4py.  Used by .ci/run; a
+# few minutes.
 #
 #   bash scripts/check_install.sh
 set -euo pipefail
@@ -16,12 +19,15 @@ trap 'rm -rf "$scratch"' EXIT
 export PIP_CONSTRAINT="$repo/constraints.txt"  # Chainer 7.8.1 needs setuptools<70 to build
 python3 -m venv "$scratch/venv"
 python="$scratch/venv/bin/python"
-pip_install() {  # quiet, but the whole log when it fails
-    if ! "$scratch/venv/bin/pip" install -q "$@" > "$scratch/pip.log" 2>&1; then
+pip_in() {  # pip_in VENV ARGS...: quiet, but the whole log when it fails
+    local venv=$1
+    shift
+    if ! "$venv/bin/pip" install -q "$@" > "$scratch/pip.log" 2>&1; then
         grep -v '^WARNING: Location' "$scratch/pip.log" >&2
         return 1
     fi
 }
+pip_install() { pip_in "$scratch/venv" "$@"; }
 cd "$scratch"  # so that `import chainer_prefetch` finds the installed copy
 
 echo "== pip install ."
@@ -55,7 +61,7 @@ with tempfile.TemporaryDirectory() as root:
     assert batches[2][3][0][0, 0, 0] == 11 and batches[2][3][1] == 2
     print('iterator: 3 batches, {} files copied'.format(stats['files_copied']))
     assert stats['files_copied'] == 12, stats
-for part, extra in (('datasets', 'parquet'), ('resilience', 'mpi')):
+for part, extra in (('datasets', 'parquet'), ('resilience.communicator', 'mpi')):
     try:
         __import__('chainer_prefetch.' + part)
     except ImportError as error:
@@ -64,6 +70,15 @@ for part, extra in (('datasets', 'parquet'), ('resilience', 'mpi')):
     else:
         sys.exit('chainer_prefetch.{} imported without its extra'.format(part))
 PY
+
+echo "== the pure elastic and resilience tests, without mpi4py, torch and etcd3gw"
+pip_install pytest pytest-timeout
+"$python" -c '
+import importlib.util
+missing = [m for m in ("mpi4py", "torch", "etcd3gw") if importlib.util.find_spec(m) is None]
+assert missing == ["mpi4py", "torch", "etcd3gw"], missing'
+"$python" -m pytest -q -p no:cacheprovider -p no:warnings \
+    "$repo/tests/test_elastic_core.py" "$repo/tests/test_resilience_policy.py"
 
 echo "== pip install .[parquet,mpi]"
 pip_install "$repo[parquet,mpi]"
@@ -99,17 +114,20 @@ OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
     "$scratch/venv/bin/mpiexec" --oversubscribe -n 2 "$python" -c '
 from mpi4py import MPI
 import chainermn
-import chainer_prefetch.resilience
+import chainer_prefetch.resilience.communicator
 comm = chainermn.create_communicator("naive")
 assert comm.allreduce_obj(1) == 2
 if comm.rank == 0:
     print("mpi: 2 ranks, chainermn naive communicator")'
 
 echo "== pip install . without a C compiler: installs, and takes rows in Python"
-# (from a copy of the sources: the repository's build/ holds the compiled one)
+# (from a copy of the sources: the repository's build/ holds the compiled one;
+# files deleted in the working tree but not yet in git are left out)
 mkdir "$scratch/source"
 git -C "$repo" ls-files -z --cached --others --exclude-standard \
-    | (cd "$repo" && xargs -0 cp --parents -t "$scratch/source")
+    | (cd "$repo" && while IFS= read -r -d '' file; do
+           if [ -e "$file" ]; then printf '%s\0' "$file"; fi
+       done | xargs -0 cp --parents -t "$scratch/source")
 CC=false pip_install --no-deps --force-reinstall "$scratch/source"
 "$python" -c '
 from chainer_prefetch import columnar
@@ -118,4 +136,28 @@ parquet_check
 
 echo "== pip install --dry-run .[bench,test]"
 pip_install --dry-run "$repo[bench,test]"
+"$python" -c '
+import importlib.util
+assert importlib.util.find_spec("chainer_prefetch_bench") is None  # not installed'
+
+echo "== [elastic] alone, as README.rst writes it, in a fresh virtual environment"
+python3 -m venv "$scratch/elastic"
+pip_in "$scratch/elastic" "$repo[elastic]"  # under PIP_CONSTRAINT, as documented
+env -u PIP_CONSTRAINT "$scratch/elastic/bin/pip" install -q --no-deps torch==2.13.0 \
+    --index-url https://download.pytorch.org/whl/cpu > "$scratch/pip.log" 2>&1 \
+    || { cat "$scratch/pip.log" >&2; exit 1; }
+"$scratch/elastic/bin/python" - <<'PY'
+import importlib.util
+import chainer
+import setuptools
+import torch.distributed
+from chainer_prefetch.elastic import ElasticTraining, parse_etcd_url
+assert importlib.util.find_spec('mpi4py') is None
+assert int(setuptools.__version__.split('.')[0]) < 74, setuptools.__version__
+assert torch.distributed.is_gloo_available()
+parse_etcd_url('etcd://127.0.0.1:2379/job')
+print('elastic: chainer {}, torch {}, setuptools {}, {} imported without mpi4py'.format(
+    chainer.__version__, torch.__version__, setuptools.__version__,
+    ElasticTraining.__name__))
+PY
 echo "install check: ok"

@@ -5,12 +5,16 @@
 #                               prints the comparison, writes figures
 #   bash scripts/run.sh test    the test suite
 #   bash scripts/run.sh lint    the linter (ruff, configured in pyproject.toml)
+#   bash scripts/run.sh docs    the Sphinx documentation (docs/) into
+#                               docs/_build/html, every warning an error
 #   bash scripts/run.sh setup   only the installation
 #
 # Installs Debian packages (FUSE) with apt-get when missing (needs root) and a
-# virtual environment in .venv with the package and every extra but elastic
-# (requirements.txt), editable; Chainer 7.8.1 builds under constraints.txt.
-# Reinstalls when requirements.txt, constraints.txt or setup.py change.
+# virtual environment in .venv with the package and every extra
+# (requirements.txt), editable, PyTorch apart (scripts/requirements-elastic.txt),
+# and the checkout on its path for the benchmark tree; Chainer 7.8.1 builds
+# under constraints.txt.  Reinstalls when one of these files or setup.py
+# changes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-}
@@ -32,18 +36,21 @@ setup() {
     # shellcheck disable=SC1091
     . .venv/bin/activate
     local stamp=.venv/.installed wanted
-    wanted=$(cat requirements.txt constraints.txt setup.py | sha1sum)
+    wanted=$(cat requirements.txt constraints.txt setup.py scripts/requirements-elastic.txt \
+        | sha1sum)
     if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ] \
-            || ! python -c 'import chainer_prefetch, chainer_prefetch_bench' 2>/dev/null; then
+            || ! python -c 'import chainer_prefetch, torch.distributed, etcd3gw' 2>/dev/null; then
         echo "installing Python packages into .venv"
-        PIP_CONSTRAINT=constraints.txt pip install -q -r requirements.txt -e '.[test]'
+        PIP_CONSTRAINT=constraints.txt pip install -q -r requirements.txt -e '.[test,elastic]'
+        # PyTorch apart, without its declared setuptools>=77 (Chainer's import
+        # needs setuptools<74): the elastic extra brought its other dependencies.
+        pip install -q --no-deps -r scripts/requirements-elastic.txt
         echo "$wanted" > "$stamp"
     fi
-    if ! python -c 'import torch.distributed, etcd3gw' 2>/dev/null; then
-        echo "installing the [elastic] extra into .venv"
-        grep -v '^torch' scripts/requirements-elastic.txt | pip install -q -r /dev/stdin
-        pip install -q --no-deps "$(grep '^torch' scripts/requirements-elastic.txt | cut -d' ' -f1)"
-    fi
+    # The benchmark tree is not installed with the package: the checkout goes
+    # on the environment's path, so that `python -m chainer_prefetch_bench...`
+    # also runs where the tests start it from another directory.
+    pwd > "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/chainer_prefetch_checkout.pth"
 }
 
 setup
@@ -62,9 +69,16 @@ case "$what" in
     lint)
         ruff check .
         ;;
+    docs)
+        # -W: a warning (a broken reference, a name autodoc cannot import)
+        # fails the build; -n would also check every cross-reference in the
+        # docstrings, which name internal classes autodoc does not document.
+        python -m sphinx -W --keep-going -q -b html docs docs/_build/html
+        echo "docs: docs/_build/html/index.html"
+        ;;
     setup) ;;
     *)
-        echo "usage: bash scripts/run.sh demo|test|lint|setup" >&2
+        echo "usage: bash scripts/run.sh demo|test|lint|docs|setup" >&2
         exit 2
         ;;
 esac

@@ -221,6 +221,7 @@ def _load_in_this_process(original, located, local_root, entries):
 
 def test_worker_reads_the_source_when_a_copy_vanished(dataset, tmp_path):
     """Another process may evict a copy between stage 2's check and the read."""
+    from chainer_prefetch.iterators._read_from import ReadFrom
     from chainer_prefetch.staging.dataset_files import resolve_dataset_files
     data, _, _ = dataset
     local_root = str(tmp_path / 'evicted')
@@ -228,7 +229,7 @@ def test_worker_reads_the_source_when_a_copy_vanished(dataset, tmp_path):
         lambda path: os.path.join(local_root, os.path.basename(path)))
     [(read_from, example, source_bytes, _, _)] = _load_in_this_process(
         data, located, local_root, [(0, 3, True)])
-    assert read_from == 'fallback' and source_bytes == 0  # no files given
+    assert read_from is ReadFrom.FALLBACK and source_bytes == 0  # no files given
     assert_examples_equal([example], [data[3]])
 
 
@@ -296,10 +297,21 @@ def _hold_ledger(root, locked, release):
     os._exit(0)
 
 
-def test_holds_and_uses_never_wait_for_another_process_s_ledger(tmp_path):
+def test_holds_and_uses_never_wait_for_another_process_s_ledger(
+        tmp_path, monkeypatch):
     """A peer holding the ledger lock (stopped, say) blocks only the copies that
     need room, never what the pipeline thread asks of the store."""
     from chainer_prefetch.staging import LocalDirectory, LocalStore, PlainFile
+    copier = None  # the thread staging the second file
+    waiting = threading.Event()  # it waits for the ledger's lock
+    flock_within = capacity._flock_within
+
+    def watched_flock_within(fd, operation, deadline):
+        if threading.current_thread() is copier:
+            waiting.set()
+        return flock_within(fd, operation, deadline)
+
+    monkeypatch.setattr(capacity, '_flock_within', watched_flock_within)
     sources = []
     for name in ('a', 'b'):
         path = str(tmp_path / 'shared' / name)
@@ -320,8 +332,7 @@ def test_holds_and_uses_never_wait_for_another_process_s_ledger(tmp_path):
             copier = threading.Thread(target=store.stage,
                                       args=(1, [sources[1]], 1), daemon=True)
             copier.start()
-            time.sleep(0.3)
-            assert copier.is_alive()  # waiting for the ledger
+            assert waiting.wait(30)
             # Bookkeeping goes on while the peer still holds the ledger.
             held = []
 

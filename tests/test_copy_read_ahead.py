@@ -1,39 +1,103 @@
-"""Stage 2 reads the next one-at-a-time copy's origin while it makes the current one."""
+"""Stage 2 reads the next one-at-a-time copy's origin while it makes the current one.
+
+Orderings are asserted on the order the threads logged what they did (under
+a lock), and overlaps by making a step wait for the one it must overlap
+with: no assertion depends on how fast a step runs.
+"""
 import os
 import threading
-import time
 
 import pytest
 
-from chainer_prefetch.iterators._executor import READS_AHEAD, CopyThreads, OpenOrigins
 from chainer_prefetch.iterators._scheduler import Copy
+from chainer_prefetch.staging.copy_threads import READS_AHEAD, CopyThreads, OpenOrigins
 from chainer_prefetch.staging.sources import DerivedFile, ReadAhead
 
-MAKE_SECONDS = 0.1  # what each make takes
-READ_SECONDS = 0.01  # what each read ahead takes: faster, so it could run far ahead
+WAIT = 10  # seconds any one step may wait before the test fails
+#: Seconds a make watches for a read that must not happen while it is made
+#: (the test passes however late the read would come; a longer watch only
+#: catches a wrong read ahead more surely).
+WATCH = 0.5
+
+
+class Log:
+    """What the copy threads did, in the order they did it."""
+
+    def __init__(self):
+        self._entries = []
+        self._changed = threading.Condition()
+
+    def add(self, *entry):
+        with self._changed:
+            self._entries.append(entry)
+            self._changed.notify_all()
+
+    def entries(self) -> list:
+        with self._changed:
+            return list(self._entries)
+
+    def position(self, *start) -> int:
+        """Where the first entry beginning with ``start`` is."""
+        for position, entry in enumerate(self.entries()):
+            if entry[:len(start)] == start:
+                return position
+        raise AssertionError('nothing logged as {}'.format(start))
+
+    def positions(self, *start) -> list:
+        return [position for position, entry in enumerate(self.entries())
+                if entry[:len(start)] == start]
+
+    def wait_for(self, *start, timeout=None):
+        """Waits until an entry beginning with ``start`` is logged.
+
+        Without ``timeout``, fails the test after ``WAIT`` seconds; with
+        it, returns whether the entry came in time.
+        """
+        with self._changed:
+            logged = self._changed.wait_for(
+                lambda: any(entry[:len(start)] == start for entry in self._entries),
+                WAIT if timeout is None else timeout)
+        assert logged or timeout is not None, 'waited {} s for {}'.format(WAIT, start)
+        return logged
 
 
 class LoggedFile(DerivedFile):
-    """A derived file whose reads ahead and makes are logged with their times."""
+    """A derived file whose reads ahead and makes are logged.
+
+    ``read_gate`` (an Event) holds its read ahead until set; ``make_gate``
+    its make.  ``make_waits_for`` names the copies whose reads ahead must
+    happen while it is made: its make ends only once they are logged.
+    ``make_watches_for`` names those whose reads must not: its make gives
+    them ``WATCH`` seconds to show up (the test then finds them in the log).
+    """
 
     copied_one_at_a_time = True
+    read_gate = None
+    make_gate = None
+    make_waits_for = ()
+    make_watches_for = ()
 
     def __init__(self, name, origin, log):
         super().__init__(name, origin)
         self.log = log
 
     def read_ahead(self, opened=None):
-        started = time.monotonic()
         origin_stat = os.fstat(opened)
         assert os.path.samestat(origin_stat, os.stat(self.origin))
-        time.sleep(READ_SECONDS)
-        self.log.append(('read', self.name, started, time.monotonic(), opened))
+        if self.read_gate is not None:
+            assert self.read_gate.wait(WAIT)
+        self.log.add('read', self.name, opened)
         return ReadAhead(self.name, origin_stat, b'read ahead')
 
     def load_from_origin(self, ahead=None):
-        started = time.monotonic()
-        time.sleep(MAKE_SECONDS)
-        self.log.append(('make', self.name, started, time.monotonic(), ahead))
+        self.log.add('make', self.name, ahead)
+        if self.make_gate is not None:
+            assert self.make_gate.wait(WAIT)
+        for name in self.make_waits_for:
+            self.log.wait_for('read', name)
+        for name in self.make_watches_for:
+            self.log.wait_for('read', name, timeout=WATCH)
+        self.log.add('made', self.name)
         return ahead or b'read while made'
 
     def write_local_form(self, content, out):
@@ -46,10 +110,10 @@ class Stage2:
     def __init__(self, folder, before_copy=None, local=()):
         self.folder = folder
         self.before_copy = before_copy
-        self.done = []
+        self.done = []  # copy ids made, and what a copy raised
         self.finished = threading.Semaphore(0)
         self.threads = CopyThreads(
-            2, self._run, self._post,
+            2, self._run, self._post, self._post,
             lambda sources: any(s.name not in local for s in sources))
 
     def _run(self, action, sources):
@@ -70,13 +134,17 @@ class Stage2:
 
     def wait(self, count):
         for _ in range(count):
-            assert self.finished.acquire(timeout=10), 'a copy never finished'
+            assert self.finished.acquire(timeout=WAIT), 'a copy never finished'
 
-    def stop(self):
-        self.threads.stop()
+    def join(self):
+        """Asserts that every thread has ended."""
         for thread in self.threads.threads:
             thread.join(5)
             assert not thread.is_alive(), thread.name
+
+    def stop(self):
+        self.threads.stop()
+        self.join()
 
 
 def _origins(tmp_path, count):
@@ -111,25 +179,23 @@ def _copy_all(tmp_path, sources, **stage_options) -> Stage2:
 
 
 def test_the_next_copy_is_read_while_the_current_one_is_made(tmp_path):
-    log = []
+    log = Log()
     sources = _logged_files(tmp_path, 5, log)
+    names = [source.name for source in sources]
+    for number, source in enumerate(sources):
+        # Read while the one before is made, as far as READS_AHEAD ahead of
+        # it: each make ends only once those are read.
+        source.make_waits_for = names[number + 1:number + 1 + READS_AHEAD]
     stage = _copy_all(tmp_path, sources)
     assert stage.done == list(range(len(sources)))  # in the order submitted
-    reads = {entry[1]: entry for entry in log if entry[0] == 'read'}
-    makes = [entry for entry in log if entry[0] == 'make']
-    assert [entry[1] for entry in makes] == [s.name for s in sources]
-    assert all(ahead == b'read ahead' for *_, ahead in makes)
-    for before, after in zip(makes, makes[1:]):
-        assert before[3] <= after[2]  # one make at a time
-    for current, (_, name, *_rest) in zip(makes, makes[1:]):
-        # read while the one before was made ...
-        assert reads[name][2] < current[3]
-    for current, (_, name, *_rest) in zip(makes, makes[READS_AHEAD:]):
-        # ... as far as READS_AHEAD ahead of the one being made ...
-        assert reads[name][2] < current[3]
-    for current, (_, name, *_rest) in zip(makes, makes[1 + READS_AHEAD:]):
+    makes = [entry for entry in log.entries() if entry[0] in ('make', 'made')]
+    # one make at a time, in the order submitted, each from what was read ahead
+    assert [entry[:2] for entry in makes] == [
+        (kind, name) for name in names for kind in ('make', 'made')]
+    assert all(entry[2] == b'read ahead' for entry in makes if entry[0] == 'make')
+    for current, name in zip(names, names[1 + READS_AHEAD:]):
         # ... and never more than READS_AHEAD ahead of the one being made
-        assert reads[name][2] >= current[3]
+        assert log.position('read', name) > log.position('made', current)
     for source in sources:
         with open(os.path.join(str(tmp_path), os.path.basename(source.name)),
                   'rb') as f:
@@ -150,7 +216,7 @@ def _descriptors_of(path):
 
 def test_a_file_read_or_made_meanwhile_is_read_ahead_without_opening_it_again(
         tmp_path, monkeypatch):
-    log = []
+    log = Log()
     opens = []
     real_open = os.open
 
@@ -176,7 +242,7 @@ def test_a_file_read_or_made_meanwhile_is_read_ahead_without_opening_it_again(
 
     _copy_all(tmp_path, sources, before_copy=change_c)
     monkeypatch.undo()
-    opened = {entry[1]: entry[4] for entry in log if entry[0] == 'read'}
+    opened = {entry[1]: entry[2] for entry in log.entries() if entry[0] == 'read'}
     assert list(opened) == [source.name for source in sources]
     # b is read while a is made, through the descriptor a's read opened
     # (opening the file again drops a's pages on FUSE without keep_cache);
@@ -185,7 +251,7 @@ def test_a_file_read_or_made_meanwhile_is_read_ahead_without_opening_it_again(
     origins = (first, second, third, fourth, fifth)
     assert [path for path in opens if path in origins] == [
         first, second, third, fourth, fifth, first]  # for a, c, e, f, g, h
-    made = {entry[1]: entry[4] for entry in log if entry[0] == 'make'}
+    made = {entry[1]: entry[2] for entry in log.entries() if entry[0] == 'make'}
     assert made == {source.name: (None if source.name == '/virtual/c'  # changed
                                   else b'read ahead') for source in sources}
     # Every descriptor kept open for a next read is closed with the threads.
@@ -193,34 +259,43 @@ def test_a_file_read_or_made_meanwhile_is_read_ahead_without_opening_it_again(
 
 
 def test_a_cancelled_copy_is_neither_read_ahead_nor_made(tmp_path):
-    log = []
-    sources = _logged_files(tmp_path, 3, log)
+    log = Log()
+    sources = _logged_files(tmp_path, 4, log)
+    sources[0].read_gate = threading.Event()
     stage = Stage2(str(tmp_path))
     try:
-        # The first copy holds the threads; the third is cancelled meanwhile.
+        # The first copy's read holds the threads; the third is cancelled meanwhile.
         _submit(stage, sources)
         assert stage.threads.cancel([2]) == (2,)
-        stage.wait(2)
-        time.sleep(3 * MAKE_SECONDS)
+        sources[0].read_gate.set()
+        stage.wait(3)
     finally:
+        sources[0].read_gate.set()
         stage.stop()
-    assert stage.done == [0, 1]
-    assert '/virtual/f2' not in {entry[1] for entry in log}
+    assert stage.done == [0, 1, 3]  # the fourth is made after the third's turn
+    assert '/virtual/f2' not in {entry[1] for entry in log.entries()}
 
 
 @pytest.mark.timeout(30)
 def test_stop_ends_both_threads_with_copies_still_queued(tmp_path):
+    log = Log()
+    sources = _logged_files(tmp_path, 6, log)
+    sources[0].make_gate = threading.Event()
     stage = Stage2(str(tmp_path))
-    _submit(stage, _logged_files(tmp_path, 6, []))
-    time.sleep(MAKE_SECONDS / 2)
-    stage.stop()  # asserts every thread ended
-    assert len(stage.done) <= 2
+    try:
+        _submit(stage, sources)
+        log.wait_for('make', '/virtual/f0')
+        stage.threads.stop()
+    finally:
+        sources[0].make_gate.set()
+    stage.join()
+    assert stage.done == [0]  # the copy being made ends; no other starts
 
 
 def test_a_source_already_local_is_not_read_ahead(tmp_path):
-    log = []
+    log = Log()
     _copy_all(tmp_path, _logged_files(tmp_path, 3, log), local={'/virtual/f1'})
-    assert [entry[1] for entry in log if entry[0] == 'read'] == [
+    assert [entry[1] for entry in log.entries() if entry[0] == 'read'] == [
         '/virtual/f0', '/virtual/f2']
 
 
@@ -230,24 +305,35 @@ class FailingRead(LoggedFile):
 
 
 def test_a_failing_read_ahead_leaves_the_copy_to_read(tmp_path):
-    log = []
+    log = Log()
     stage = _copy_all(tmp_path, _logged_files(tmp_path, 2, log, FailingRead))
     assert stage.done == [0, 1]
-    assert [entry[4] for entry in log if entry[0] == 'make'] == [None, None]
+    assert [entry[2] for entry in log.entries() if entry[0] == 'make'] == [None, None]
 
 
 def test_a_copy_with_nothing_read_ahead_reads_alone(tmp_path):
-    log = []
+    log = Log()
     origins = _origins(tmp_path, 3)
     sources = [FailingRead('/virtual/f0', origins[0], log)] + [
         LoggedFile('/virtual/f{}'.format(k), origins[k], log) for k in (1, 2)]
+    sources[0].make_watches_for = ('/virtual/f1',)
     stage = _copy_all(tmp_path, sources)
     assert stage.done == [0, 1, 2]
-    made = {entry[1]: entry for entry in log if entry[0] == 'make'}
-    reads = {entry[1]: entry for entry in log if entry[0] == 'read'}
-    assert made['/virtual/f0'][4] is None  # it read while it was made ...
+    made = {entry[1]: entry for entry in log.entries() if entry[0] == 'make'}
+    assert made['/virtual/f0'][2] is None  # it read while it was made ...
     # ... and no read ahead ran meanwhile.
-    assert reads['/virtual/f1'][2] >= made['/virtual/f0'][3]
+    assert log.position('read', '/virtual/f1') > log.position('made', '/virtual/f0')
+
+
+def test_what_a_copy_raises_is_reported_and_the_next_copy_made(tmp_path):
+    def fail_first(source):
+        if source.name == '/virtual/f0':
+            raise ValueError('a bug')
+
+    stage = _copy_all(tmp_path, _logged_files(tmp_path, 2, Log()),
+                      before_copy=fail_first)
+    assert [type(event) for event in stage.done] == [ValueError, int]
+    assert stage.done[1] == 1
 
 
 def test_a_kept_origin_replaced_on_storage_is_opened_again(tmp_path):
@@ -268,45 +354,48 @@ def test_a_kept_origin_replaced_on_storage_is_opened_again(tmp_path):
 
 
 def test_a_copy_already_local_does_not_hold_back_the_next_read(tmp_path):
-    log = []
+    log = Log()
     sources = _logged_files(tmp_path, 3, log)
     # f0 is current locally: its copy reads nothing, so f1 and f2 are read
-    # ahead while it is made, as after any copy read ahead.
+    # ahead while it is made, as after any copy read ahead (its make ends
+    # only once they are).
+    sources[0].make_waits_for = ('/virtual/f1', '/virtual/f2')
     stage = _copy_all(tmp_path, sources, local={'/virtual/f0'})
     assert stage.done == [0, 1, 2]
-    made = {entry[1]: entry for entry in log if entry[0] == 'make'}
-    reads = {entry[1]: entry for entry in log if entry[0] == 'read'}
-    assert '/virtual/f0' not in reads
-    assert reads['/virtual/f2'][2] < made['/virtual/f0'][3]
-
-
-PIECE_SECONDS = 0.02  # what each piece of a read queued on the piece readers takes
+    assert log.positions('read', '/virtual/f0') == []
+    assert log.position('read', '/virtual/f2') < log.position('made', '/virtual/f0')
 
 
 class PiecewiseFile(LoggedFile):
-    """A derived file read ahead in pieces queued on stage 2's piece readers."""
+    """A derived file read ahead in pieces queued on stage 2's piece readers.
+
+    Each piece logs ``('piece', name, piece)`` as it starts and
+    ``('piece read', name, piece)`` once read.
+    """
 
     pieces = 3
     gate = None  # an Event its pieces wait for, or None
     started = None  # a Semaphore released as each piece starts, or None
+    piece_waits_for = {}  # piece -> the entry it waits for before it is read
 
     def start_read_ahead(self, opened, readers):
-        self.log.append(('queued', self.name, time.monotonic()))
+        self.log.add('queued', self.name)
         origin_stat = os.fstat(opened)
         return ReadAhead(self.name, origin_stat, b'read ahead', readers.submit(
             self._read_piece, range(self.pieces), 2,
-            lambda: self.log.append(('released', self.name, time.monotonic()))))
+            lambda: self.log.add('released', self.name)))
 
     def _read_piece(self, piece):
-        started = time.monotonic()
+        self.log.add('piece', self.name, piece)
         if self.started is not None:
             self.started.release()
         if self.gate is not None:
-            assert self.gate.wait(10)
-        time.sleep(PIECE_SECONDS)
+            assert self.gate.wait(WAIT)
+        if piece in self.piece_waits_for:
+            self.log.wait_for(*self.piece_waits_for[piece])
         if 'bad' in self.name:
             raise OSError('cannot read {} piece {}'.format(self.name, piece))
-        self.log.append(('piece', self.name, started, time.monotonic(), piece))
+        self.log.add('piece read', self.name, piece)
 
 
 def _piece_reader_threads():
@@ -314,72 +403,64 @@ def _piece_reader_threads():
             if thread.name.startswith('chainer_prefetch-read-')]
 
 
-def _wait_for(condition, what):
-    deadline = time.monotonic() + 10
-    while not condition():
-        assert time.monotonic() < deadline, 'waited 10 s for ' + what
-        time.sleep(0.005)
-
-
 def test_reads_queued_in_pieces_overlap_and_each_copy_waits_for_its_own(tmp_path):
-    log = []
+    log = Log()
     sources = _logged_files(tmp_path, 4, log, PiecewiseFile)
+    last = PiecewiseFile.pieces - 1
+    # The copy read ahead behind the first (READS_AHEAD: both queued at once)
+    # starts on the thread freed while the first's last piece is still read
+    # (three pieces on two threads): that piece ends only once it has.
+    sources[0].piece_waits_for = {last: ('piece', sources[1].name, 0)}
     stage = _copy_all(tmp_path, sources)
     assert stage.done == [0, 1, 2, 3]
     assert _piece_reader_threads() == []  # stopped with the copy threads
-    pieces = [entry for entry in log if entry[0] == 'piece']
-    makes = {entry[1]: entry for entry in log if entry[0] == 'make'}
+    entries = log.entries()
     for source in sources:
-        own = [entry for entry in pieces if entry[1] == source.name]
-        assert len(own) == PiecewiseFile.pieces
+        read = log.positions('piece read', source.name)
+        assert len(read) == PiecewiseFile.pieces
         # made from what was read ahead, once all its pieces were read
-        assert makes[source.name][4] == b'read ahead'
-        assert max(entry[3] for entry in own) <= makes[source.name][2]
-    # Pieces are read in the order submitted, two at a time ...
-    order = sorted(pieces, key=lambda entry: entry[2])
-    assert [entry[1] for entry in order] == [
-        source.name for source in sources for _ in range(PiecewiseFile.pieces)]
-    for entry in order:
-        assert sum(other[2] <= entry[2] < other[3] for other in order) <= 2
-    # ... the copy read ahead behind the first (READS_AHEAD: both queued at
-    # once) starts on the thread freed while the first's last piece is
-    # still read (three pieces on two threads) ...
-    def first_piece(source):
-        return min(entry[2] for entry in pieces if entry[1] == source.name)
-
-    def last_piece(source):
-        return max(entry[3] for entry in pieces if entry[1] == source.name)
-
-    assert first_piece(sources[1]) < last_piece(sources[0])
-    # ... and no more than READS_AHEAD are read ahead of the one being made:
-    # the third is queued once the first is read.
-    queued = {entry[1]: entry[2] for entry in log if entry[0] == 'queued'}
-    assert queued[sources[1].name] < last_piece(sources[0])
-    assert queued[sources[2].name] >= last_piece(sources[0])
-    released = [entry[1] for entry in log if entry[0] == 'released']
+        assert log.position('make', source.name, b'read ahead') > max(read)
+    # Pieces are read in the order submitted, two at a time: when a piece
+    # starts, at most one piece submitted before it (the other thread's) is
+    # not read yet.
+    submitted = [(source.name, piece) for source in sources
+                 for piece in range(PiecewiseFile.pieces)]
+    read = set()
+    for entry in entries:
+        if entry[0] == 'piece':
+            before = submitted[:submitted.index(entry[1:])]
+            assert len([piece for piece in before if piece not in read]) <= 1, entry
+        elif entry[0] == 'piece read':
+            read.add(entry[1:])
+    # No more than READS_AHEAD are read ahead of the one being made: the
+    # third is queued once the first is read.
+    assert log.position('queued', sources[1].name) < max(
+        log.positions('piece read', sources[0].name))
+    assert log.position('queued', sources[2].name) > max(
+        log.positions('piece read', sources[0].name))
+    released = [entry[1] for entry in entries if entry[0] == 'released']
     assert sorted(released) == sorted(source.name for source in sources)
 
 
 def test_a_read_whose_pieces_fail_leaves_the_copy_to_read_again(tmp_path):
-    log = []
+    log = Log()
     origins = _origins(tmp_path, 4)
     sources = [PiecewiseFile('/virtual/{}'.format(name), origin, log)
                for name, origin in zip(('f0', 'bad1', 'f2', 'f3'), origins)]
     stage = _copy_all(tmp_path, sources)
     assert stage.done == [0, 1, 2, 3]
-    made = {entry[1]: entry for entry in log if entry[0] == 'make'}
-    assert {name: entry[4] for name, entry in made.items()} == {
+    made = {entry[1]: entry[2] for entry in log.entries() if entry[0] == 'make'}
+    assert made == {
         '/virtual/f0': b'read ahead', '/virtual/bad1': None,
         '/virtual/f2': b'read ahead', '/virtual/f3': b'read ahead'}
     # bad1 read again while it was made, and no read started meanwhile
     # (f2's was queued before).
-    assert min(entry[2] for entry in log if entry[0] == 'piece'
-               and entry[1] == '/virtual/f3') >= made['/virtual/bad1'][3]
+    assert log.position('piece', '/virtual/f3') > log.position('made', '/virtual/bad1')
     assert _piece_reader_threads() == []
 
 
 def test_a_copy_cancelled_while_its_pieces_wait_has_them_dropped(tmp_path):
-    log = []
+    log = Log()
     origins = _origins(tmp_path, 2)
     first = PiecewiseFile('/virtual/f0', origins[0], log)
     second = PiecewiseFile('/virtual/f1', origins[1], log)
@@ -390,28 +471,26 @@ def test_a_copy_cancelled_while_its_pieces_wait_has_them_dropped(tmp_path):
     try:
         _submit(stage, [first, second])
         for _ in range(2):  # f1's first two pieces hold both threads
-            assert second.started.acquire(timeout=10)
-        _wait_for(lambda: any(entry[:2] == ('make', '/virtual/f0')
-                              for entry in log), 'f0 to be made')
-        # The copy thread now waits for f1's pieces.
+            assert second.started.acquire(timeout=WAIT)
+        log.wait_for('made', '/virtual/f0')
+        # The copy thread now waits for f1's pieces (or soon will).
         assert stage.threads.cancel([1]) == (1,)
         second.gate.set()
-        _wait_for(lambda: ('released', '/virtual/f1') in [
-            entry[:2] for entry in log], 'f1 to release its file')
+        log.wait_for('released', '/virtual/f1')
         stage.wait(1)
     finally:
         second.gate.set()
         stage.stop()
     assert stage.done == [0]
-    assert sorted(entry[4] for entry in log if entry[0] == 'piece'
+    assert sorted(entry[2] for entry in log.entries() if entry[0] == 'piece'
                   and entry[1] == '/virtual/f1') == [0, 1]  # 2 and 3 dropped
-    assert '/virtual/f1' not in [entry[1] for entry in log if entry[0] == 'make']
+    assert log.positions('make', '/virtual/f1') == []
     assert _piece_reader_threads() == []
 
 
 @pytest.mark.timeout(30)
 def test_stop_with_pieces_still_queued_ends_every_reader_thread(tmp_path):
-    log = []
+    log = Log()
     sources = _logged_files(tmp_path, 4, log, PiecewiseFile)
     gate = threading.Event()
     started = threading.Semaphore(0)
@@ -421,12 +500,10 @@ def test_stop_with_pieces_still_queued_ends_every_reader_thread(tmp_path):
     stage = Stage2(str(tmp_path))
     _submit(stage, sources)
     for _ in range(2):  # two pieces of f0 are being read, the rest queued
-        assert started.acquire(timeout=10)
+        assert started.acquire(timeout=WAIT)
     stage.threads.stop()
     gate.set()
-    for thread in stage.threads.threads:
-        thread.join(5)
-        assert not thread.is_alive(), thread.name
+    stage.join()
     assert _piece_reader_threads() == []
     assert stage.done == []
-    assert len([entry for entry in log if entry[0] == 'piece']) == 2
+    assert len(log.positions('piece')) == 2

@@ -2,28 +2,26 @@
 
 The policies, the settle window, the rendezvous steps, the locality-keeping
 split and the address parsing are pure functions, tested here without etcd
-or processes.  The communicator is tested with three real processes and a
-real etcd (``elastic_comm_checks.py``).
+or processes, and without the ``[elastic]`` extra (torch, etcd3gw).  The
+communicator is tested with three real processes and a real etcd
+(``elastic_comm_checks.py``); those tests need the extra.
 """
+import importlib
 import os
 import subprocess
 import sys
 
 import pytest
 
-pytest.importorskip('torch')
-pytest.importorskip('etcd3gw')
-
-import helpers  # NOQA: E402
-from chainer_prefetch.elastic import (  # NOQA: E402
+import helpers
+from chainer_prefetch.elastic import (
     ElasticSettings,
-    EtcdServer,
     FailStop,
     MinMax,
     ScalePolicy,
     parse_etcd_url,
 )
-from chainer_prefetch.elastic.plan import (  # NOQA: E402
+from chainer_prefetch.elastic.plan import (
     Record,
     SettleWindow,
     node_layout,
@@ -31,7 +29,20 @@ from chainer_prefetch.elastic.plan import (  # NOQA: E402
     signature_mismatch,
     silent_members,
 )
-from chainer_prefetch.elastic.policy import Progress, decide, parse_policy  # NOQA: E402
+from chainer_prefetch.elastic.policy import Progress, decide, parse_policy
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+needs_the_extra = pytest.mark.skipif(
+    not (_importable('torch') and _importable('etcd3gw')),
+    reason='needs the [elastic] extra (torch, etcd3gw)')
 
 A, B, C, D = 'h:1:a', 'h:2:b', 'h:3:c', 'h:4:d'
 
@@ -153,6 +164,7 @@ def test_urls_and_settings():
 def _run_members(mode, count):
     """Runs ``elastic_comm_checks.py MODE`` as ``count`` members of one job
     and checks that every one succeeded and nothing was left."""
+    from chainer_prefetch.elastic import EtcdServer
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                           'elastic_comm_checks.py')
     with EtcdServer() as server:
@@ -173,12 +185,14 @@ def _run_members(mode, count):
         assert helpers.wait_until(lambda: server.keys() == [], 10), server.keys()
 
 
+@needs_the_extra
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_communicator_passes_the_chainermn_checks():
     _run_members('checks', 3)
 
 
+@needs_the_extra
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_leaving_at_a_boundary_releases_a_blocked_peer():

@@ -154,10 +154,19 @@ def test_hung_member_is_left_behind_and_rejoins(etcd, job):
     j.assert_clean(etcd)
 
 
+def _kept_waiting_with_two(j):
+    """Both members registered, and a decision since then kept them waiting."""
+    events = j.events()
+    registered = [i for i, e in enumerate(events) if e['event'] == 'registered']
+    return len(registered) == 2 and any(
+        e['event'] == 'decided' and e['verdict'] == 'wait'
+        for e in events[registered[1]:])
+
+
 def test_failstop_waits_then_fails(etcd, job):
     j = job('--policy', 'failstop:3', '--epochs', '20')
     two = [j.start(), j.start()]
-    time.sleep(4)
+    j.wait_for(_kept_waiting_with_two, 60, 'two members kept waiting')
     assert j.events('resumed') == []  # waiting for the third
     third = j.start()
     j.wait_for(lambda j: len(j.events('resumed')) == 3, 60, 'three training')
@@ -264,15 +273,6 @@ def test_etcd_lost_mid_run_ends_the_job_with_a_message(tmp_path):
         assert 'EtcdUnavailable' in message and 'lost etcd' in message, message
 
 
-def test_import_without_the_extra_names_it():
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "try:\n    import chainer_prefetch.elastic\n"
-            "except ImportError as e:\n    print(e)\n")
-    output = subprocess.run([sys.executable, '-c', code], check=True,
-                            stdout=subprocess.PIPE).stdout.decode()
-    assert '[elastic]' in output and 'torch' in output, output
-
-
 def test_imagenet_example_joins_a_running_job(etcd, tmp_path):
     """The example with --elastic: two members, a third started later with
     the same arguments joins; all finish with the same parameters, the
@@ -315,6 +315,11 @@ def test_imagenet_example_joins_a_running_job(etcd, tmp_path):
     assert len(grown) == 3
     assert sum(e['kept_local'] for e in grown) > 0
     reads = [e['previous_storage'] for e in grown if e['previous_storage']]
-    assert reads and all(r['files_copied'] + r['examples_from_source'] > 0
-                         for r in reads)
+    # Each generation's accesses are counted; a member that trained alone
+    # first may find all it needs local in the next, but the member that
+    # joined it started with an empty local directory.
+    assert reads and all(r['examples_from_local'] + r['examples_from_source']
+                         > 0 for r in reads)
+    assert sum(r['files_copied'] + r['examples_from_source']
+               for r in reads) > 0
     job.assert_clean(etcd)

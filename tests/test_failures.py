@@ -7,7 +7,6 @@ timeout, and checks that what it started is gone afterwards.
 """
 import gc
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -367,14 +366,21 @@ def test_copy_ahead_is_bounded(tmp_path):
     batch_size, ahead = 2, 2
     with _iterator(dataset, str(tmp_path / 'local'), batch_size=batch_size,
                    repeat=True, n_copy_ahead=ahead) as it:
+        def staged():
+            stats = it.stats
+            return stats['examples_staged'] + stats['examples_not_staged']
+
         for consumed in range(1, 9):
             it.next()
-            time.sleep(0.15)  # a slow training step: stages 1-2 run ahead
-            stats = it.stats
-            staged = stats['examples_staged'] + stats['examples_not_staged']
-            # consumed + n_prefetch ready + n_copy_ahead in flight
-            assert staged <= (consumed + ahead + 1) * batch_size, (consumed, stats)
-            assert staged >= (consumed + 1) * batch_size, (consumed, stats)
+            # Stages 1-2 run at least the next batch ahead...
+            assert helpers.wait_until(
+                lambda n=(consumed + 1) * batch_size: staged() >= n, 30), \
+                (consumed, it.stats)
+            time.sleep(0.15)  # a slow training step: time to run further
+            # ...and never more than consumed + n_prefetch ready +
+            # n_copy_ahead in flight.
+            assert staged() <= (consumed + ahead + 1) * batch_size, \
+                (consumed, it.stats)
 
 
 def test_two_iterators_share_one_local_directory(images, tmp_path):
@@ -430,8 +436,8 @@ def test_finalize_keeps_one_deadline_while_shared_storage_hangs(tmp_path):
     consumer = threading.Thread(target=_next_quietly, args=(it,), daemon=True)
     consumer.start()
     # Every copy thread blocked in open() on a FIFO.
-    assert helpers.wait_until(lambda: _threads_in_open() >= 4, 30), \
-        _threads_in_open()
+    assert helpers.wait_until(lambda: helpers.threads_in_open() >= 4, 30), \
+        helpers.threads_in_open()
     try:
         started = time.monotonic()
         it.finalize()
@@ -445,22 +451,6 @@ def test_finalize_keeps_one_deadline_while_shared_storage_hangs(tmp_path):
                 os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
             except OSError:  # ENXIO: nobody has it open for reading
                 pass
-
-
-_OPENAT = {'x86_64': 257, 'aarch64': 56}
-
-
-def _threads_in_open():
-    """Threads of this process waiting in the ``openat`` system call."""
-    number = _OPENAT.get(platform.machine())
-    if number is None:
-        pytest.skip('openat number unknown on ' + platform.machine())
-    count = 0
-    for task in os.listdir('/proc/self/task'):
-        syscall = helpers._read('/proc/self/task/{}/syscall'.format(task))
-        if syscall and syscall.split()[0] == str(number):
-            count += 1
-    return count
 
 
 def _next_quietly(it):
@@ -485,11 +475,7 @@ def test_shared_memory_is_anonymous_not_in_dev_shm(tmp_path):
         assert helpers.wait_until(snapshot.record, 5)
         assert all(segment.startswith('memfd:chainer_prefetch-batch')
                    for segment in snapshot.ours), snapshot.ours
-        # Only names this process could make (other processes on the machine
-        # may come and go in /dev/shm meanwhile).
-        new = set(os.listdir('/dev/shm')) - before
-        assert not [name for name in new if name.startswith(
-            ('psm_', 'sem.mp-', 'chainer_prefetch'))], new
+        assert helpers.new_shm_names(before) == []
     finally:
         it.finalize()
     del batch  # delivered arrays view the memory until dropped

@@ -10,7 +10,7 @@ import pyarrow.parquet
 import pytest
 
 import helpers
-from chainer_prefetch.datasets import parquet as parquet_module
+from chainer_prefetch.datasets import byte_ranges, row_group_source
 from chainer_prefetch.staging import file_systems
 from chainer_prefetch.staging.file_systems import Mount
 from chainer_prefetch_bench.testbed import storage as shared_storage
@@ -96,17 +96,17 @@ def _parquet_file(directory):
 def _threads_of_a_read(path, monkeypatch):
     """The threads ``start_reading_column_chunks`` used for a real read of ``path``."""
     used = []
-    real = parquet_module.map_in_threads
+    real = byte_ranges.map_in_threads
 
     def recorded(function, items, max_threads, name):
         used.append((name, max_threads))
         return real(function, items, max_threads, name)
 
-    monkeypatch.setattr(parquet_module, 'map_in_threads', recorded)
+    monkeypatch.setattr(byte_ranges, 'map_in_threads', recorded)
     try:
-        table = parquet_module.read_row_group(path, 0, ['id'])
+        table = row_group_source.read_row_group(path, 0, ['id'])
     finally:
-        monkeypatch.setattr(parquet_module, 'map_in_threads', real)
+        monkeypatch.setattr(byte_ranges, 'map_in_threads', real)
     assert table.column('id').to_pylist() == list(range(100))
     return [threads for name, threads in used if name == 'read']
 
@@ -121,11 +121,11 @@ def mount_table(monkeypatch):
     """Gives the dataset module a mount table of the test's own (the answers
     per directory forgotten before and after)."""
     def use(mounts):
-        monkeypatch.setattr(parquet_module, 'read_mounts', lambda: list(mounts))
-        parquet_module._directory_is_node_local.cache_clear()
+        monkeypatch.setattr(byte_ranges, 'read_mounts', lambda: list(mounts))
+        byte_ranges._directory_is_node_local.cache_clear()
 
     yield use
-    parquet_module._directory_is_node_local.cache_clear()
+    byte_ranges._directory_is_node_local.cache_clear()
 
 
 def test_the_threads_follow_the_mount_table(tmp_path, mount_table):
@@ -135,23 +135,23 @@ def test_the_threads_follow_the_mount_table(tmp_path, mount_table):
     link = local / 'linked.parquet'
     os.symlink(path, str(link))
     mount_table([Mount('/', 'ext4'), Mount(str(shared), 'lustre')])
-    assert parquet_module.read_threads_for(path) == parquet_module.READ_THREADS
+    assert byte_ranges.read_threads_for(path) == byte_ranges.READ_THREADS
     # A link on local storage to a file on the shared one: the file counts.
-    assert parquet_module.read_threads_for(str(link)) == parquet_module.READ_THREADS
-    assert parquet_module.read_threads_for(
-        str(local / 'part-0.parquet')) == parquet_module.LOCAL_READ_THREADS
+    assert byte_ranges.read_threads_for(str(link)) == byte_ranges.READ_THREADS
+    assert byte_ranges.read_threads_for(
+        str(local / 'part-0.parquet')) == byte_ranges.LOCAL_READ_THREADS
     mount_table([])  # no table (no /proc): every file counts as shared
-    assert parquet_module.read_threads_for(
-        str(local / 'part-0.parquet')) == parquet_module.READ_THREADS
+    assert byte_ranges.read_threads_for(
+        str(local / 'part-0.parquet')) == byte_ranges.READ_THREADS
 
 
 def test_this_machines_disk_is_read_with_the_local_threads(tmp_path, monkeypatch):
     _skip_unless_node_local(tmp_path)
     path = _parquet_file(tmp_path / 'disk')
-    parquet_module._directory_is_node_local.cache_clear()
-    assert parquet_module.read_threads_for(path) == parquet_module.LOCAL_READ_THREADS
+    byte_ranges._directory_is_node_local.cache_clear()
+    assert byte_ranges.read_threads_for(path) == byte_ranges.LOCAL_READ_THREADS
     assert _threads_of_a_read(path, monkeypatch) == [
-        parquet_module.LOCAL_READ_THREADS]
+        byte_ranges.LOCAL_READ_THREADS]
 
 
 def test_a_tmpfs_mounted_here_is_node_local(tmp_path, monkeypatch):
@@ -163,7 +163,7 @@ def test_a_tmpfs_mounted_here_is_node_local(tmp_path, monkeypatch):
             os.path.realpath(path), file_systems.read_mounts()) == Mount(
                 str(tmp_path / 'ram'), 'tmpfs')
         assert _threads_of_a_read(path, monkeypatch) == [
-            parquet_module.LOCAL_READ_THREADS]
+            byte_ranges.LOCAL_READ_THREADS]
 
 
 @pytest.mark.skipif(not os.path.exists('/dev/fuse'),
@@ -181,5 +181,5 @@ def test_the_emulated_shared_storage_is_read_with_the_shared_threads(
         assert not file_systems.on_node_local_storage(
             path, file_systems.read_mounts())
         assert _threads_of_a_read(path, monkeypatch) == [
-            parquet_module.READ_THREADS]
+            byte_ranges.READ_THREADS]
     assert not shared_storage.is_mounted(mountpoint)

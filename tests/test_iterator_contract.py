@@ -214,18 +214,53 @@ class ShrinkingSampler(object):
 
 
 class StallingDataset(object):
-    def __init__(self, n, nth, sleep):
+    """Example ``nth`` stalls until the file ``gate`` exists (at most 60 s).
+
+    The test creates the file when it has seen what the stall is for, so
+    the stall outlasts any ``dataset_timeout`` however slow the machine.
+    A file, since the examples are read in worker processes.
+    """
+
+    def __init__(self, n, nth, gate):
         self.data = list(range(n))
         self.nth = nth
-        self.sleep = sleep
+        self.gate = gate
 
     def __len__(self):
         return len(self.data)
 
     def __getitem__(self, i):
         if i == self.nth:
-            time.sleep(self.sleep)
+            helpers.wait_until(lambda: os.path.exists(self.gate), 60,
+                               interval=0.01)
         return self.data[i]
+
+
+def open_gate(gate):
+    with open(gate, 'w'):
+        pass
+
+
+def open_gate_on_warning(gate, recorded):
+    """Opens ``gate`` once ``recorded`` holds a ``TimeoutWarning``.
+
+    Returns a function that stops waiting (and opens the gate) at once.
+    """
+    done = threading.Event()
+
+    def watch():
+        helpers.wait_until(lambda: done.is_set() or any(
+            issubclass(w.category, REF.TimeoutWarning)
+            for w in list(recorded)), 60)
+        open_gate(gate)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+
+    def stop():
+        done.set()
+        watcher.join()
+    return stop
 
 
 # sampler options: (id, kwargs builder); builders so each test gets a fresh
@@ -937,23 +972,36 @@ def test_seeded_sampler_same_sequence(iterator_cls, tracked, shared_mem,
 # 8. stalled dataset -> TimeoutWarning
 # --------------------------------------------------------------------------
 
+# Long enough for every batch before the stall, loader start included, on a
+# loaded machine; the stall lasts until the warning has come.
+STALL_TIMEOUT = 2.0
+
+
 @pytest.mark.parametrize('nth', [0, 1, 2])
 @pytest.mark.parametrize('shared_mem', [None, MB])
-def test_stalled_dataset_warns(make, iterator_cls, nth, shared_mem):
+def test_stalled_dataset_warns(make, iterator_cls, nth, shared_mem,
+                               tmp_path):
     batch_size = 2
-    # The batches before the stall (loader start included) must come well
-    # within the timeout on a loaded machine; the stall well beyond it.
-    dataset = StallingDataset(5, nth, 1.5)
+    gate = str(tmp_path / 'gate')
+    dataset = StallingDataset(5, nth, gate)
     it = make(dataset, batch_size, shuffle=False, repeat=False,
-              dataset_timeout=0.75, shared_mem=shared_mem)
+              dataset_timeout=STALL_TIMEOUT, shared_mem=shared_mem)
     data = []
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter('always')
-        for _ in range(nth // batch_size):
-            data.append(it.next())
-    assert not [w for w in rec if issubclass(w.category, REF.TimeoutWarning)]
-    with pytest.warns(REF.TimeoutWarning) as rec:
-        data.append(it.next())
+    try:
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter('always')
+            for _ in range(nth // batch_size):
+                data.append(it.next())
+        assert not [w for w in rec
+                    if issubclass(w.category, REF.TimeoutWarning)]
+        with pytest.warns(REF.TimeoutWarning) as rec:
+            stop = open_gate_on_warning(gate, rec)
+            try:
+                data.append(it.next())
+            finally:
+                stop()
+    finally:
+        open_gate(gate)
     cats = [w.category for w in rec
             if issubclass(w.category, REF.TimeoutWarning)]
     assert cats and all(issubclass(c, iterator_cls.TimeoutWarning)
@@ -967,24 +1015,34 @@ def test_stalled_dataset_warns(make, iterator_cls, nth, shared_mem):
 
 
 @pytest.mark.parametrize('shared_mem', [None, MB])
-def test_stalled_dataset_error_filter(make, shared_mem):
+def test_stalled_dataset_error_filter(make, shared_mem, tmp_path):
     # the documented recipe: filter on the *reference* class; ours is a
     # subclass, so the same filter must turn its warning into an error
-    it = make(StallingDataset(6, 2, 1.5), 2, shuffle=False,
-              dataset_timeout=0.75, shared_mem=shared_mem)
-    with warnings.catch_warnings():
-        warnings.simplefilter('error', REF.TimeoutWarning)
-        it.next()
-        with pytest.raises(REF.TimeoutWarning):
+    gate = str(tmp_path / 'gate')
+    it = make(StallingDataset(6, 2, gate), 2, shuffle=False,
+              dataset_timeout=STALL_TIMEOUT, shared_mem=shared_mem)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', REF.TimeoutWarning)
             it.next()
+            with pytest.raises(REF.TimeoutWarning):
+                it.next()
+    finally:
+        open_gate(gate)
 
 
-def test_no_warning_when_timeout_disabled(make):
-    it = make(StallingDataset(4, 1, 0.5), 2, shuffle=False, repeat=False,
+def test_no_warning_when_timeout_disabled(make, tmp_path):
+    gate = str(tmp_path / 'gate')
+    it = make(StallingDataset(4, 1, gate), 2, shuffle=False, repeat=False,
               dataset_timeout=None)
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter('always')
-        got = [as_int_list(b) for b in it]
+    opener = threading.Timer(0.5, open_gate, (gate,))
+    opener.start()
+    try:
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter('always')
+            got = [as_int_list(b) for b in it]
+    finally:
+        opener.join()
     assert got == [[0, 1], [2, 3]]
     assert not [w for w in rec if issubclass(w.category, REF.TimeoutWarning)]
 

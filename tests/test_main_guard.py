@@ -57,3 +57,59 @@ def test_two_iterators_without_a_main_guard(tmp_path, how):
     assert result.returncode == 0, result.stderr[-5000:]
     assert result.stdout.strip() == 'DONE', result.stdout
     assert runs.read_text() == 'ran\n'  # the code ran once, not again
+
+
+NOTEBOOK = textwrap.dedent('''
+    import chainer
+    import numpy
+    from chainer_prefetch import PrefetchMultiprocessIterator
+
+    class Values(chainer.dataset.DatasetMixin):  # a first cell
+        def __len__(self):
+            return 16
+
+        def get_example(self, i):
+            return numpy.float32(i)
+
+    train = PrefetchMultiprocessIterator(Values(), 4, n_processes=2)
+    first = train.next()
+
+    class Values(chainer.dataset.DatasetMixin):  # the cell edited, run again
+        def __len__(self):
+            return 16
+
+        def get_example(self, i):
+            return numpy.float32(-i)
+
+    class Later(chainer.dataset.DatasetMixin):  # a cell run afterwards
+        def __len__(self):
+            return 16
+
+        def get_example(self, i):
+            return numpy.float32(i * 10)
+
+    again = PrefetchMultiprocessIterator(Values(), 4, n_processes=2,
+                                         repeat=False, shuffle=False)
+    later = PrefetchMultiprocessIterator(Later(), 4, n_processes=2,
+                                         repeat=False, shuffle=False)
+    assert [float(v) for b in again for v in b] == [-i for i in range(16)]
+    assert [float(v) for b in later for v in b] == [i * 10 for i in range(16)]
+    for iterator in (train, again, later):
+        iterator.finalize()
+    print('DONE', flush=True)
+''')
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize('how', ['dash_c', 'stdin'])
+def test_classes_defined_after_the_first_iterator_started(tmp_path, how):
+    """As in a notebook: a class defined, or defined again, after the fork
+    server started reaches the loaders as it is now (by value)."""
+    if how == 'stdin':
+        command, given = [sys.executable, '-'], NOTEBOOK
+    else:
+        command, given = [sys.executable, '-c', NOTEBOOK], None
+    result = subprocess.run(command, input=given, capture_output=True,
+                            text=True, timeout=240, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert result.stdout.strip() == 'DONE', result.stdout

@@ -3,10 +3,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
+import helpers
 from chainer_prefetch.staging import file_systems
 from chainer_prefetch_bench.parquet import (
     bench,
@@ -373,7 +373,7 @@ def test_the_sampler_trims_after_every_sample_while_the_run_lasts(monkeypatch):
     monkeypatch.setattr(memory_breakdown, 'sample', lambda libc, pool: {'pss': 1.0})
     libc = _FakeLibc()
     with memory_breakdown.Sampler(libc, None, trim=True) as sampler:
-        time.sleep(0.2)
+        assert helpers.wait_until(lambda: len(sampler.samples) > 3, 30)
     sampler.observe(may_trim=False)
     assert len(sampler.samples) > 3
     assert sampler.trims == libc.trims == len(sampler.samples) - 1
@@ -394,8 +394,8 @@ def test_the_run_peaks_leave_out_the_sample_after_finalize(monkeypatch):
 
     monkeypatch.setattr(memory_breakdown, 'sample', growing)
 
-    def run(config):
-        time.sleep(0.2)  # several samples
+    def run(config):  # lasts several samples
+        assert helpers.wait_until(lambda: len(taken) > 3, 30)
         return {'rows': 100, 'rows_per_s': 1.0, 'cpu_s': 0.1}
 
     monkeypatch.setattr(bench_module, 'run_one', run)
@@ -419,7 +419,7 @@ def test_an_error_of_the_sampling_thread_reaches_the_run(monkeypatch):
     monkeypatch.setattr(memory_breakdown, 'sample', failing)
     with pytest.raises(RuntimeError, match='sampling the memory failed') as caught:
         with memory_breakdown.Sampler(_FakeLibc(), None):
-            time.sleep(0.2)
+            assert helpers.wait_until(lambda: len(calls) > 1, 30)
     assert isinstance(caught.value.__cause__, OSError)
 
 

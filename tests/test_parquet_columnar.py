@@ -29,8 +29,8 @@ from chainer_prefetch.datasets import (
     ParquetDataset,
     ParquetFileError,
     RowGroupWindowOrderSampler,
+    row_group_source,
 )
-from chainer_prefetch.datasets import parquet as parquet_module
 
 ROWS, FILES, ROW_GROUP_ROWS = 120, 3, 10  # 12 row groups
 
@@ -233,7 +233,7 @@ def test_row_groups_staged_in_pieces_give_the_rows_of_the_parquet_files(
     decoded = max(group.decoded_bytes()
                   for group in map(dataset._row_group_file,
                                    range(len(dataset.row_group_sizes))))
-    monkeypatch.setattr(parquet_module, 'DECODE_BYTES',  # 4 record batches
+    monkeypatch.setattr(row_group_source, 'DECODE_BYTES',  # 4 record batches
                         3 * decoded // ROW_GROUP_ROWS + 1)
     for columnar in (False, True):
         local = str(tmp_path / 'local-{}'.format(columnar))

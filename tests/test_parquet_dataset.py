@@ -22,8 +22,10 @@ from chainer_prefetch.datasets import (
     ParquetFileError,
     ParquetSchemaError,
     RowGroupWindowOrderSampler,
+    byte_ranges,
+    parquet_dataset,
+    row_group_source,
 )
-from chainer_prefetch.datasets import parquet as parquet_module
 from chainer_prefetch_bench.testbed.page_cache import drop_file_cache
 
 ROWS, FILES, ROW_GROUP_ROWS = 90, 3, 10  # files of 30 rows: 10 + 10 + 10
@@ -129,7 +131,7 @@ def test_row_groups_of_indices_equal_a_binary_search():
                 for low, high in ((0, 5), (6, 13), (0, 16), (13, 16))
                 for _ in range(20)]
     for indices in batches:
-        groups = parquet_module._groups_of(ends, indices)
+        groups = parquet_dataset._groups_of(ends, indices)
         np.testing.assert_array_equal(
             groups, np.searchsorted(ends, indices, side='right'))
         assert groups.dtype == np.int64
@@ -188,13 +190,13 @@ def test_the_footers_of_a_dataset_are_read_at_once(shop, monkeypatch):
     # Each read waits until all three files' reads have begun: read one
     # after the other, the barrier breaks (after its timeout) and opening fails.
     barrier = threading.Barrier(FILES, timeout=10)
-    read = parquet_module._read_metadata
+    read = parquet_dataset.read_metadata
 
     def read_when_all_started(path):
         barrier.wait()
         return read(path)
 
-    monkeypatch.setattr(parquet_module, '_read_metadata', read_when_all_started)
+    monkeypatch.setattr(parquet_dataset, 'read_metadata', read_when_all_started)
     dataset = ParquetDataset(shop)
     assert dataset.files == sorted(dataset.files)
     assert [metadata.num_rows for metadata in dataset._metadata] == [30] * FILES
@@ -212,12 +214,12 @@ def test_the_first_unreadable_footer_is_named_and_later_ones_are_not_read():
         return item
 
     with pytest.raises(ParquetFileError, match='file 1 '):
-        parquet_module.map_in_threads(read, list(range(1000)), 2, 'test')
+        byte_ranges.map_in_threads(read, list(range(1000)), 2, 'test')
     assert len(started) < 500  # those queued behind the error were dropped
     assert not [thread for thread in threading.enumerate()
                 if thread.name.startswith('chainer_prefetch-test')]
-    assert parquet_module.map_in_threads(lambda x: x * x, [3, 1, 2], 2,
-                                         'test') == [9, 1, 4]
+    assert byte_ranges.map_in_threads(lambda x: x * x, [3, 1, 2], 2,
+                                      'test') == [9, 1, 4]
 
 
 def test_the_error_raised_is_the_first_failing_item_in_order():
@@ -229,7 +231,7 @@ def test_the_error_raised_is_the_first_failing_item_in_order():
         return item
 
     with pytest.raises(ParquetFileError, match='file 1 '):
-        parquet_module.map_in_threads(read, [0, 1, 2, 3], 4, 'test')
+        byte_ranges.map_in_threads(read, [0, 1, 2, 3], 4, 'test')
 
 
 def test_corrupt_data_is_named_when_read_and_metadata_still_works(shop, tmp_path):
@@ -286,11 +288,11 @@ def test_a_file_rewritten_after_the_dataset_was_made_is_named_as_such(
 
 def test_a_row_group_read_in_parallel_pieces_equals_arrows_own_read(
         shop, monkeypatch):
-    monkeypatch.setattr(parquet_module, 'READ_PIECE_BYTES', 64)  # many pieces
+    monkeypatch.setattr(byte_ranges, 'READ_PIECE_BYTES', 64)  # many pieces
     path = os.path.join(shop, 'part-00001.parquet')
     for columns in (['image', 'title', 'id'], ['tokens', 'price'], ['category']):
         for group in range(3):
-            ours = parquet_module.read_row_group(path, group, columns)
+            ours = row_group_source.read_row_group(path, group, columns)
             arrows = pyarrow.parquet.ParquetFile(path).read_row_group(
                 group, columns=columns)
             assert ours.equals(arrows), (columns, group)
@@ -318,14 +320,14 @@ def _drop_cached_pages(path: str):
 
 
 def test_column_chunks_are_faulted_into_the_mapping_not_copied(shop, monkeypatch):
-    monkeypatch.setattr(parquet_module, 'READ_PIECE_BYTES', 512)  # many pieces
+    monkeypatch.setattr(byte_ranges, 'READ_PIECE_BYTES', 512)  # many pieces
     path = os.path.join(shop, 'part-00001.parquet')
     metadata = pyarrow.parquet.read_metadata(path)
     columns = ['image', 'id']
-    _, chunks = parquet_module._selected_chunks(metadata, 1, columns)
-    ranges = parquet_module.chunk_ranges(chunks, os.path.getsize(path))
-    pieces = parquet_module.pieces_to_read(
-        ranges, parquet_module.read_threads_for(path))
+    _, chunks = row_group_source.selected_chunks(metadata, 1, columns)
+    ranges = byte_ranges.chunk_ranges(chunks, os.path.getsize(path))
+    pieces = byte_ranges.pieces_to_read(
+        ranges, byte_ranges.read_threads_for(path))
     assert len(pieces) > len(ranges) > 0
     arrows = pyarrow.parquet.ParquetFile(path).read_row_group(1, columns=columns)
     read_at = []
@@ -338,25 +340,25 @@ def test_column_chunks_are_faulted_into_the_mapping_not_copied(shop, monkeypatch
     monkeypatch.setattr(os, 'preadv', counted_preadv)
     with open(path, 'rb') as probe, mmap.mmap(probe.fileno(), 0,
                                              prot=mmap.PROT_READ) as mapped:
-        if not parquet_module._populate(pyarrow.py_buffer(mapped), 0, 1):
+        if not byte_ranges._populate(pyarrow.py_buffer(mapped), 0, 1):
             pytest.skip('this kernel has no MADV_POPULATE_READ (Linux 5.14)')
     _drop_cached_pages(path)
-    mapped, _ = parquet_module._map_column_chunks(path, chunks)
+    mapped, _ = byte_ranges.map_column_chunks(path, chunks)
     assert read_at == []  # nothing copied...
     cached = _cached_pages(path)
     for start, end in ranges:  # ... and every page of the chunks read
         assert cached[start // mmap.PAGESIZE:-(-end // mmap.PAGESIZE)].all()
-    assert parquet_module.read_row_group(path, 1, columns, metadata,
-                                         mapped).equals(arrows)
+    assert row_group_source.read_row_group(path, 1, columns, metadata,
+                                           mapped).equals(arrows)
 
     # Where faulting fails (a kernel before 5.14), every piece is read.
-    monkeypatch.setattr(parquet_module, '_populate', lambda *args: False)
+    monkeypatch.setattr(byte_ranges, '_populate', lambda *args: False)
     del mapped  # (its pages mapped could not be dropped)
     _drop_cached_pages(path)
-    mapped, _ = parquet_module._map_column_chunks(path, chunks)
+    mapped, _ = byte_ranges.map_column_chunks(path, chunks)
     assert sorted(read_at) == [start for start, _ in pieces]
-    assert parquet_module.read_row_group(path, 1, columns, metadata,
-                                         mapped).equals(arrows)
+    assert row_group_source.read_row_group(path, 1, columns, metadata,
+                                           mapped).equals(arrows)
 
 
 def test_only_the_selected_column_chunks_are_read(tmp_path, monkeypatch):
@@ -368,23 +370,23 @@ def test_only_the_selected_column_chunks_are_read(tmp_path, monkeypatch):
         'label': np.arange(rows) % 7})
     pyarrow.parquet.write_table(table, path, compression='none')
     metadata = pyarrow.parquet.read_metadata(path)
-    _, chunks = parquet_module._selected_chunks(metadata, 0, ['id', 'label'])
-    ranges = parquet_module.chunk_ranges(chunks, os.path.getsize(path))
+    _, chunks = row_group_source.selected_chunks(metadata, 0, ['id', 'label'])
+    ranges = byte_ranges.chunk_ranges(chunks, os.path.getsize(path))
     assert len(ranges) == 2  # 'blob' lies between them and is not read
     assert sum(end - start for start, end in ranges) < 20000
-    monkeypatch.setattr(parquet_module, 'READ_PIECE_BYTES', 64)
-    mapped = parquet_module._map_column_chunks
+    monkeypatch.setattr(byte_ranges, 'READ_PIECE_BYTES', 64)
+    mapped = byte_ranges.map_column_chunks
 
     def only_the_ranges(path, chunks):  # every byte outside them spoiled
         whole, opened = mapped(path, chunks)
         content = bytearray(whole.to_pybytes())
         kept = bytearray(b'\xff') * len(content)
-        for start, end in parquet_module.chunk_ranges(chunks, len(content)):
+        for start, end in byte_ranges.chunk_ranges(chunks, len(content)):
             kept[start:end] = content[start:end]
         return pyarrow.py_buffer(bytes(kept)), opened
 
-    monkeypatch.setattr(parquet_module, '_map_column_chunks', only_the_ranges)
-    ours = parquet_module.read_row_group(path, 0, ['id', 'label'])
+    monkeypatch.setattr(row_group_source, 'map_column_chunks', only_the_ranges)
+    ours = row_group_source.read_row_group(path, 0, ['id', 'label'])
     assert ours.equals(table.select(['id', 'label']))
 
 
@@ -445,8 +447,8 @@ def test_a_file_that_cannot_be_mapped_is_read_by_arrow(shop, monkeypatch):
     def refuse(*args, **kwargs):
         raise OSError(errno.ENODEV, 'No such device')
 
-    monkeypatch.setattr(parquet_module.mmap, 'mmap', refuse)
+    monkeypatch.setattr(byte_ranges.mmap, 'mmap', refuse)
     path = os.path.join(shop, 'part-00001.parquet')
-    ours = parquet_module.read_row_group(path, 1, ['image', 'id'])
+    ours = row_group_source.read_row_group(path, 1, ['image', 'id'])
     assert ours.equals(pyarrow.parquet.ParquetFile(path).read_row_group(
         1, columns=['image', 'id']))

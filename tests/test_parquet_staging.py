@@ -14,8 +14,12 @@ import pytest
 
 import helpers
 from chainer_prefetch import PrefetchMultiprocessIterator
-from chainer_prefetch.datasets import ParquetDataset, RowGroupFile, RowGroupWindowOrderSampler
-from chainer_prefetch.datasets import parquet as parquet_module
+from chainer_prefetch.datasets import (
+    ParquetDataset,
+    RowGroupFile,
+    RowGroupWindowOrderSampler,
+    row_group_source,
+)
 from chainer_prefetch.staging import (
     LocalDirectory,
     LocalStorageError,
@@ -64,7 +68,7 @@ def test_a_row_group_is_staged_as_an_ipc_file_equal_to_the_rows(shop, tmp_path):
 @pytest.fixture
 def decode_pool_chosen_again(monkeypatch):
     """The decode pool chosen afresh from the environment, and after the test."""
-    choose = parquet_module.decode_memory_pool
+    choose = row_group_source.decode_memory_pool
     monkeypatch.delenv('ARROW_DEFAULT_MEMORY_POOL', raising=False)
     choose.cache_clear()
     yield monkeypatch
@@ -81,12 +85,12 @@ def _gained(pools, action):
 
 def test_row_groups_kept_in_memory_are_decoded_into_mallocs_pool_not_mimallocs(
         shop, decode_pool_chosen_again):
-    assert parquet_module.decode_memory_pool().backend_name == 'system'
+    assert row_group_source.decode_memory_pool().backend_name == 'system'
     default = pyarrow.default_memory_pool()
     if default.backend_name == 'system':
         pytest.skip('Arrow\'s default pool is the C library\'s here')
-    counted = pyarrow.proxy_memory_pool(parquet_module.decode_memory_pool())
-    decode_pool_chosen_again.setattr(parquet_module, 'decode_memory_pool',
+    counted = pyarrow.proxy_memory_pool(row_group_source.decode_memory_pool())
+    decode_pool_chosen_again.setattr(row_group_source, 'decode_memory_pool',
                                      lambda: counted)
     derived = RowGroupFile(_part(shop), 2, ('id', 'title', 'tokens'))
     (decoded, size), (in_pool, in_default) = _gained(
@@ -97,7 +101,7 @@ def test_row_groups_kept_in_memory_are_decoded_into_mallocs_pool_not_mimallocs(
         2, columns=['id', 'title', 'tokens'])
     assert decoded.table.equals(expected)
     rows, (in_pool, in_default) = _gained(  # the dataset's own reads too
-        [counted, default], lambda: parquet_module.read_row_group(
+        [counted, default], lambda: row_group_source.read_row_group(
             _part(shop), 3, ['id', 'title']))
     assert in_pool >= rows.get_total_buffer_size() > in_default
 
@@ -105,7 +109,7 @@ def test_row_groups_kept_in_memory_are_decoded_into_mallocs_pool_not_mimallocs(
 def test_row_groups_written_to_local_files_are_decoded_in_the_default_pool(
         shop, tmp_path, decode_pool_chosen_again):
     counted = pyarrow.proxy_memory_pool(pyarrow.system_memory_pool())
-    decode_pool_chosen_again.setattr(parquet_module, 'decode_memory_pool',
+    decode_pool_chosen_again.setattr(row_group_source, 'decode_memory_pool',
                                      lambda: counted)
     directory = LocalDirectory(str(tmp_path / 'local'))
     assert directory.stage(RowGroupFile(_part(shop), 2, ('id', 'title'))) > 0
@@ -118,7 +122,7 @@ def test_row_groups_written_to_local_files_are_decoded_in_the_default_pool(
 def test_a_default_pool_the_user_chose_decodes_the_row_groups(
         shop, decode_pool_chosen_again):
     decode_pool_chosen_again.setenv('ARROW_DEFAULT_MEMORY_POOL', 'system')
-    assert parquet_module.decode_memory_pool() is None
+    assert row_group_source.decode_memory_pool() is None
     derived = RowGroupFile(_part(shop), 2, ('id', 'title'))
     (_, size), (in_default,) = _gained(
         [pyarrow.default_memory_pool()],
@@ -178,7 +182,7 @@ def test_a_corrupt_source_is_named_and_leaves_nothing(shop, tmp_path):
 
 def _decode_three_rows_at_a_time(monkeypatch, derived):
     decoded = derived.decoded_bytes()
-    monkeypatch.setattr(parquet_module, 'DECODE_BYTES',
+    monkeypatch.setattr(row_group_source, 'DECODE_BYTES',
                         3 * decoded // ROW_GROUP_ROWS + 1)
 
 
@@ -278,7 +282,7 @@ def test_a_row_group_corrupt_after_its_first_piece_is_named_and_leaves_nothing(
         f.seek(chunk.data_page_offset + half)
         f.write(b'\xff' * half)
     derived = RowGroupFile(path, 0, ('id', 'title'))
-    monkeypatch.setattr(parquet_module, 'DECODE_BYTES', 1)  # a row at a time
+    monkeypatch.setattr(row_group_source, 'DECODE_BYTES', 1)  # a row at a time
     assert derived.piece_rows() == 1
     first = next(derived.load_from_origin().iter_batches(
         batch_size=2, row_groups=[0], columns=['id', 'title']))
@@ -524,7 +528,7 @@ def test_a_row_group_read_ahead_is_staged_alike_and_a_replaced_file_read_again(
     ahead = derived.read_ahead()
     assert ahead.source_name == derived.name
     reads = []
-    monkeypatch.setattr(parquet_module, '_map_column_chunks',
+    monkeypatch.setattr(row_group_source, 'map_column_chunks',
                         lambda *args: reads.append(args))
     with using_reads_ahead([ahead]):
         directory.stage(derived)
@@ -564,7 +568,7 @@ def test_a_row_group_is_read_ahead_through_a_file_already_open(
         os.fstat(opened)  # still open: the caller's to close
     finally:
         os.close(opened)
-    monkeypatch.setattr(parquet_module, '_map_column_chunks', None)
+    monkeypatch.setattr(row_group_source, 'map_column_chunks', None)
     with using_reads_ahead([ahead]):
         directory.stage(derived)  # decodes what was read ahead, reads nothing
     monkeypatch.undo()

@@ -1,5 +1,5 @@
 """The pure core of chainer_prefetch.resilience and its single-process edges
-(the watchdog process, the relaunching launcher)."""
+(the watchdog process, the relaunching launcher): none of them needs mpi4py."""
 import os
 import signal
 import subprocess
@@ -11,6 +11,8 @@ import pytest
 from chainermn.datasets.scatter import scatter_index
 
 import helpers
+from chainer_prefetch.policy import lr_rules
+from chainer_prefetch.policy.epoch_plan import shard_bounds, shard_order
 from chainer_prefetch.resilience import launcher, policy
 from chainer_prefetch.resilience.injection import (
     EventLog,
@@ -42,31 +44,31 @@ def test_shard_bounds_match_chainermn(n, size):
     expected = dict(comm.sent)
     expected[0] = mine
     for rank in range(size):
-        assert policy.shard_bounds(n, size, rank) == expected[rank]
+        assert shard_bounds(n, size, rank) == expected[rank]
 
 
 def test_shard_bounds_rejects_bad_rank():
     with pytest.raises(ValueError, match='rank 3 outside'):
-        policy.shard_bounds(10, 3, 3)
+        shard_bounds(10, 3, 3)
 
 
 def test_shard_order_is_scatter_dataset_permutation():
     numpy.testing.assert_array_equal(
-        policy.shard_order(50, 7), numpy.random.RandomState(7).permutation(50))
-    assert policy.shard_order(50, None) is None
+        shard_order(50, 7), numpy.random.RandomState(7).permutation(50))
+    assert shard_order(50, None) is None
 
 
 def test_lr_rules():
-    assert policy.linear_lr(0.3, 3, 2) == pytest.approx(0.2)
-    assert policy.sqrt_lr(0.4, 4, 1) == pytest.approx(0.2)
-    assert policy.constant_lr(0.3, 3, 2) == 0.3
-    assert policy.resolve_lr_rule('linear') is policy.linear_lr
+    assert lr_rules.linear_lr(0.3, 3, 2) == pytest.approx(0.2)
+    assert lr_rules.sqrt_lr(0.4, 4, 1) == pytest.approx(0.2)
+    assert lr_rules.constant_lr(0.3, 3, 2) == 0.3
+    assert lr_rules.resolve_lr_rule('linear') is lr_rules.linear_lr
     custom = lambda lr, old, new: lr / 10  # NOQA: E731
-    assert policy.resolve_lr_rule(custom) is custom
+    assert lr_rules.resolve_lr_rule(custom) is custom
     with pytest.raises(ValueError, match="unknown learning-rate rule 'cubic'"):
-        policy.resolve_lr_rule('cubic')
+        lr_rules.resolve_lr_rule('cubic')
     with pytest.raises(ValueError, match='sizes must be positive'):
-        policy.linear_lr(0.1, 0, 2)
+        lr_rules.linear_lr(0.1, 0, 2)
 
 
 def test_failed_ranks():

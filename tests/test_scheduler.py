@@ -109,7 +109,9 @@ class Driver:
             self.buffers_alive.remove(action.buffer)
         elif isinstance(action, s.Deliver):
             self.delivered.append(action)
-            if action.kind == 'batch' and action.buffer is not None:
+            if not isinstance(action, (s.DeliverExamples, s.DeliverColumns)):
+                return []
+            if action.buffer is not None:
                 assert self.buffers_in_use[action.buffer] == 0, \
                     'a buffer delivered while loads still write into it'
                 if action.hand_over:
@@ -117,7 +119,7 @@ class Driver:
             answers = []
             if action.measure:
                 answers.append(s.Measured(8))
-            if action.cache_wants:
+            if isinstance(action, s.DeliverExamples) and action.cache_wants:
                 answers.append(s.CacheOffers(tuple(
                     (index, epoch, action.examples[position], 1)
                     for position, index, epoch in action.cache_wants)))
@@ -174,7 +176,11 @@ class Driver:
 
     def batches(self):
         return [[example[1] for example in d.examples]
-                for d in self.delivered if d.kind == 'batch']
+                for d in self.delivered if isinstance(d, s.DeliverExamples)]
+
+    def kinds(self):
+        """The type of each delivery, in order."""
+        return [type(d) for d in self.delivered]
 
 
 def chainer_batches(n, batch_size, seed, count):
@@ -309,7 +315,7 @@ def test_with_a_limit_the_next_batch_reads_from_the_source_what_no_copy_started(
                    cancellable=False)
     other.run(2)
     assert other.cancelled == []
-    assert other.scheduler.counts['examples_from_source'] == 0
+    assert other.scheduler.counts.total['examples_from_source'] == 0
 
 
 def test_known_local_items_are_held_and_a_lost_one_is_copied_again():
@@ -347,8 +353,8 @@ def test_the_next_epoch_cache_serves_without_loading():
     # Served ones were loaded once (in epoch 0), the others of the batch twice.
     assert {i: driver.loaded[i] for i in epoch1_first} == {
         i: 1 if i in served else 2 for i in epoch1_first}
-    assert driver.scheduler.counts['examples_from_cache'] == len(served) > 0
-    assert driver.scheduler.by_epoch[1]['examples_from_cache'] == len(served)
+    assert driver.scheduler.counts.total['examples_from_cache'] == len(served) > 0
+    assert driver.scheduler.counts.by_epoch[1]['examples_from_cache'] == len(served)
     assert cache.counters['hits'] == len(served)
 
 
@@ -389,8 +395,7 @@ def test_a_failure_is_delivered_in_order_and_its_buffer_freed_after_its_loads():
         driver.finish_load(next(t.task_id for t in driver.loads.values()
                                 if t.entries[0][1] in batch0))
     driver.consume()
-    kinds = [d.kind for d in driver.delivered]
-    assert kinds == ['batch', 'failure']
+    assert driver.kinds() == [s.DeliverExamples, s.DeliverFailure]
     assert isinstance(driver.delivered[1].error, ValueError)
 
 
@@ -403,20 +408,23 @@ def test_a_fallback_makes_the_item_unknown_again():
     load = next(iter(driver.loads.values()))
     item = load.entries[0][1]
     driver.finish_load(load.task_id, read_from=s.ReadFrom.FALLBACK)
-    assert driver.scheduler.counts['examples_fallback'] == len(load.entries)
+    assert driver.scheduler.counts.total['examples_fallback'] == len(load.entries)
     driver.run(4)
-    copied = [c for c in driver.scheduler._copy_items]  # nothing pending
-    assert copied == []
-    # The item was copied again in epoch 1 (its local copy had vanished).
-    assert driver.scheduler.by_epoch[1]['bytes_copied'] >= 10
-    assert driver.scheduler._known_local[item] >= 0
+    window = driver.scheduler._window
+    assert window.unanswered == {}  # nothing pending
+    # The item was copied again in epoch 1 (its local copy had vanished),
+    # and only it: the others are still known local from epoch 0.
+    assert [copy.item for copy in driver.copied if copy.access >= 6] == [item]
+    assert driver.scheduler.counts.by_epoch[1]['bytes_copied'] == 10
+    assert window.known_local[item] == 1
+    assert sorted(window.known_local) == [0] * 5 + [1]
 
 
 def test_end_of_data_without_repeat_and_stage1_failure_in_order():
     driver = Driver(n=5, batch_size=2, repeat=False)
     driver.run(3)
     driver.consume()
-    assert [d.kind for d in driver.delivered] == ['batch'] * 3 + ['end']
+    assert driver.kinds() == [s.DeliverExamples] * 3 + [s.DeliverEnd]
 
     def broken(order, position):
         raise RuntimeError('sampler broke')
@@ -435,7 +443,7 @@ def test_end_of_data_without_repeat_and_stage1_failure_in_order():
     driver = Driver(n=4, batch_size=2, sampler=OnceThenBroken())
     driver.run(1)
     driver.consume()
-    assert [d.kind for d in driver.delivered] == ['batch', 'failure']
+    assert driver.kinds() == [s.DeliverExamples, s.DeliverFailure]
     assert 'sampler broke' in str(driver.delivered[-1].error)
 
 
@@ -446,6 +454,7 @@ def test_the_scheduler_keeps_nothing_per_delivered_batch():
     driver.run(200)
     scheduler = driver.scheduler
     assert len(scheduler._batches) <= 6
-    assert len(scheduler._tasks) <= 8
-    assert len(scheduler._copying) == len(scheduler._copy_items) <= 30
-    assert len(scheduler.by_epoch) == 21  # counters only, per epoch
+    assert scheduler._loads.outstanding <= 8
+    window = scheduler._window
+    assert len(window.copies) == len(window.unanswered) <= 30
+    assert len(scheduler.counts.by_epoch) == 21  # counters only, per epoch

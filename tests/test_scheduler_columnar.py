@@ -36,8 +36,8 @@ class ColumnarDriver(Driver):
         return action
 
     def batches(self):
-        return [[int(index) for index in d.examples[0][1]]
-                for d in self.delivered if d.kind == 'batch']
+        return [[int(index) for index in d.columns[1]]
+                for d in self.delivered if isinstance(d, s.DeliverColumns)]
 
 
 ROW_GROUPS = numpy.repeat(numpy.arange(4), 6)  # 24 rows in 4 items of 6
@@ -47,10 +47,10 @@ def test_columnar_batches_come_in_chainers_order():
     for staging in (False, True):
         driver = ColumnarDriver(n=10, batch_size=3, staging=staging)
         assert driver.run(9) == chainer_batches(10, 3, 0, 9)
-        assert all(d.columnar for d in driver.delivered if d.kind == 'batch')
+        assert s.DeliverExamples not in driver.kinds()  # every batch as columns
         # Batches spanning two epochs count their rows in each.
         for epoch in (0, 1):
-            counts = driver.scheduler.by_epoch[epoch]
+            counts = driver.scheduler.counts.by_epoch[epoch]
             assert counts['examples_from_local'] + \
                 counts['examples_from_source'] == 10
 
@@ -70,7 +70,7 @@ def test_a_batch_is_one_task_after_every_unit_is_staged():
     (load,) = [load for load in driver.loads.values()
                if list(load.indices) == batch0]
     assert load.local.all()
-    counts = driver.scheduler.counts
+    counts = driver.scheduler.counts.total
     assert counts['examples_staged'] >= 8  # rows, not units
 
 
@@ -81,13 +81,13 @@ def test_units_count_rows_and_hold_items_until_their_last_row():
     driver.run(6)  # two epochs
     scheduler = driver.scheduler
     for epoch in (0, 1):
-        counts = scheduler.by_epoch[epoch]
+        counts = scheduler.counts.by_epoch[epoch]
         assert counts['examples_from_local'] + counts['examples_from_source'] == 24
     # The totals also count the batch loaded ahead, into the third epoch.
-    assert scheduler.counts['examples_from_local'] + \
-        scheduler.counts['examples_from_source'] == sum(
-            counts['examples_from_local'] + counts['examples_from_source']
-            for counts in scheduler.by_epoch.values())
+    total = scheduler.counts.total
+    assert total['examples_from_local'] + total['examples_from_source'] == sum(
+        counts['examples_from_local'] + counts['examples_from_source']
+        for counts in scheduler.counts.by_epoch.values())
     # Each use names the access of the unit's last row in its batch, and
     # the item's next use after it.
     orders = chainer_batches(24, 8, 0, 9)  # with the batches loaded ahead
@@ -117,7 +117,7 @@ def test_a_failed_batch_is_delivered_in_order():
     assert driver.delivered == []
     driver.finish_load(first)
     driver.consume()
-    assert [d.kind for d in driver.delivered] == ['batch', 'failure']
+    assert driver.kinds() == [s.DeliverColumns, s.DeliverFailure]
     assert isinstance(driver.delivered[1].error, ValueError)
 
 
@@ -167,7 +167,7 @@ def test_the_batches_ahead_use_no_more_items_than_the_store_holds(make_driver):
     while len(driver.batches()) < len(batches):
         scheduler = driver.scheduler
         in_flight = scheduler.generated - scheduler.delivered
-        alone += in_flight == 1 and scheduler._items_ahead.bytes > 25
+        alone += in_flight == 1 and scheduler._window.bytes_ahead > 25
         if driver.copies:
             driver.finish_copy()
         elif driver.loads:
@@ -193,6 +193,6 @@ def test_the_items_ahead_end_with_the_data():
                             n_copy_ahead=8, repeat=False, max_bytes_ahead=2,
                             item_bytes=lambda item: 1)
     assert driver.run(8) == chainer_batches(24, 3, 0, 8)
-    while driver.delivered[-1].kind != 'end':
+    while not isinstance(driver.delivered[-1], s.DeliverEnd):
         driver.consume()
-    assert driver.scheduler._items_ahead.bytes == 0
+    assert driver.scheduler._window.bytes_ahead == 0

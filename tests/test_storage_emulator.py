@@ -111,15 +111,18 @@ def test_reread_pays_read_latency(source, mountpoint):
 
 @needs_fuse
 def test_bandwidth_cap(source, mountpoint):
-    rate = 4.0  # MB/s
+    rate = 2.0  # MB/s
     with shared_storage.mounted(source, mountpoint, bandwidth_mbps=rate):
         t0 = time.perf_counter()
         total = sum(len(_read(os.path.join(mountpoint, rel)))
                     for rel in _images(source)[:8])
         elapsed = time.perf_counter() - t0
     expected = (total - daemon.BURST_BYTES) / (rate * 1e6)
-    assert expected > 0.1
-    assert 0.8 * expected < elapsed < 2.5 * expected + 0.2
+    assert expected > 0.2
+    # The bucket makes every byte after the burst wait for its share of the
+    # rate; the upper bound leaves a busy machine a second for the rest, and
+    # still fails a cap several times lower than asked.
+    assert 0.8 * expected < elapsed < 2 * expected + 1.0
 
 
 @needs_fuse

@@ -12,9 +12,11 @@ after the first epoch (``recheck_sources='never'``): a read of shared
 storage would then fail.
 """
 import copy
+import glob
 import os
 import pathlib
 import shutil
+import time
 import warnings
 
 import chainer
@@ -289,6 +291,63 @@ def test_a_dataset_building_its_paths_is_learned_and_staged(tmp_path,
         'examples_from_source'] >= len(expected)
     assert epochs[2]['examples_from_local'] == len(expected)
     assert stats['files_copied'] == len(expected)
+
+
+def _local_files(local):
+    return sorted(os.path.basename(path) for path in glob.glob(
+        os.path.join(str(local), 'data', '**', '*.png'), recursive=True))
+
+
+def test_a_learned_dataset_is_copied_during_the_epoch_that_learns_it(
+        tmp_path):
+    """The copies are made while the first epoch runs, so the second reads
+    local files from its first batch; each file is copied once."""
+    data = str(tmp_path / 'data')
+    names = _write_images(data)
+    ids = [n[:-4] for n in names]
+    local = tmp_path / 'local'
+    iterator = PrefetchMultiprocessIterator(
+        BuildsItsPaths(data, ids), 4, shuffle=False, n_processes=2,
+        local_dir=str(local))
+    try:
+        with pytest.warns(StagingWarning):
+            first = [v for _ in range(N // 4) for v in iterator.next()]
+        # The epoch is consumed; the planned pipeline starts only with the
+        # next batch, so what is under local_dir now was copied early.
+        deadline = time.monotonic() + 60
+        while _local_files(local) != sorted(names):
+            assert time.monotonic() < deadline, _local_files(local)
+            time.sleep(0.05)
+        second = [v for _ in range(N // 4) for v in iterator.next()]
+        stats = iterator.stats
+    finally:
+        iterator.finalize()
+    assert first == second == list(range(N))
+    assert stats['by_epoch'][1]['examples_from_local'] == N
+    assert stats['files_copied'] == N
+    assert stats['by_epoch'][0]['bytes_copied'] == stats['bytes_copied'] > 0
+    # Every file read in the learning epoch counts (and those of a few
+    # examples of the next epoch, prefetched before the pipeline restarted).
+    sizes = sum(os.path.getsize(os.path.join(data, n)) for n in names)
+    assert stats['bytes_copied'] == sizes
+    assert sizes <= stats['by_epoch'][0]['bytes_from_source'] < 2 * sizes
+
+
+def test_a_learned_dataset_with_a_capacity_is_copied_in_its_second_epoch(
+        tmp_path):
+    """With local_capacity the copies are left to the eviction policy:
+    none is made while the first epoch learns."""
+    data = str(tmp_path / 'data')
+    ids = [n[:-4] for n in _write_images(data)]
+    with pytest.warns(StagingWarning, match='learned'):
+        values, stats = _iterate(BuildsItsPaths(data, ids), tmp_path / 'local',
+                                 3, local_capacity=10 ** 8)
+    assert values == list(range(N)) * 3
+    epochs = stats['by_epoch']
+    assert epochs[0]['bytes_copied'] == 0
+    assert epochs[1]['bytes_copied'] > 0
+    assert epochs[2]['examples_from_local'] == N
+    assert stats['files_copied'] == N
 
 
 def test_a_learned_dataset_reads_its_copies_when_the_sources_are_gone(

@@ -2,8 +2,9 @@
 
 Each column keeps the values a row-by-row read gives (``as_py()``, with
 numbers as NumPy scalars of the column's dtype (:func:`as_numpy_scalar`) and
-list columns as NumPy arrays), so that ``batch[i]`` of a columnar read
-equals the row read of the same row, value and type:
+list columns as NumPy arrays; :func:`value_converter` reads one such value),
+so that ``batch[i]`` of a columnar read equals the row read of the same row,
+value and type:
 
 * integers, floats and booleans without nulls: a NumPy array;
 * binary and string columns without nulls: a :class:`VarColumn` of kind
@@ -15,7 +16,8 @@ equals the row read of the same row, value and type:
 :class:`StoredColumns` takes rows out of a stored table of one or more
 record batches (a staged row group) straight into such columns.
 """
-from typing import Any, Dict, List, Optional, Sequence, Union
+import functools
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy
 import pyarrow
@@ -65,8 +67,8 @@ def as_numpy_scalar(value, data_type: pyarrow.DataType):
 def number_dtype(data_type: pyarrow.DataType) -> numpy.dtype:
     """The NumPy dtype of a number type's values.
 
-    Arrow's ``to_pandas_dtype`` gives it too, but imports pandas (about
-    0.25 s in every loader process).
+    Arrow's ``to_pandas_dtype`` gives it too, but imports pandas, a slow
+    import that every loader process would pay.
 
     Args:
         data_type: An integer, floating point or boolean Arrow type.
@@ -117,8 +119,8 @@ def _kind_of(array: pyarrow.Array) -> Optional[str]:
 def _number_column(array: pyarrow.Array) -> numpy.ndarray:
     """A numeric array's values as NumPy values, a view of its data buffer.
 
-    ``to_numpy`` gives the same but imports pandas first (about 0.25 s in
-    every loader process).  Booleans (packed bits) come unpacked, a copy.
+    ``to_numpy`` gives the same but imports pandas first, a slow import
+    that every loader process would pay.  Booleans (packed bits) come unpacked, a copy.
     The values of nulls are whatever the buffer holds.
     """
     dtype = number_dtype(array.type)
@@ -192,8 +194,51 @@ def _numbers_with_nulls(array: pyarrow.Array) -> numpy.ndarray:
 
 def _python_lists(array: pyarrow.Array) -> List[Any]:
     """The values of a list array as NumPy arrays (row reads give these)."""
-    return [None if not value.is_valid else
-            value.values.to_numpy(zero_copy_only=False) for value in array]
+    return [_list_value(value) for value in array]
+
+
+def _list_value(value: pyarrow.Scalar) -> Optional[numpy.ndarray]:
+    """One value of a list column as a NumPy array; ``None`` for a null."""
+    return (value.values.to_numpy(zero_copy_only=False) if value.is_valid
+            else None)
+
+
+def value_converter(data_type: pyarrow.DataType
+                    ) -> Callable[[pyarrow.Array, int], Any]:
+    """How to turn one value of a column into the value a row read gives.
+
+    A number is a NumPy scalar of the column's dtype, so that Chainer's
+    ``concat_examples`` stacks a ``float32`` column into a ``float32`` array
+    (Python floats would make it ``float64``, which a ``float32`` link
+    refuses), as the columnar path's arrays are; a list is a NumPy array;
+    anything else is what Arrow's ``as_py`` gives.
+
+    Args:
+        data_type: The column's Arrow type.
+
+    Returns:
+        ``convert(column, row)``: the value of row ``row`` of ``column`` (an
+        Arrow array or chunked array of that type).
+    """
+    if any(test(data_type) for test in _LIST):
+        return _list_as_array
+    if is_number_type(data_type):
+        return functools.partial(_number_as_numpy,
+                                 scalar=number_dtype(data_type).type)
+    return _as_python
+
+
+def _list_as_array(column: pyarrow.Array, row: int):
+    return _list_value(column[row])
+
+
+def _as_python(column: pyarrow.Array, row: int):
+    return column[row].as_py()
+
+
+def _number_as_numpy(column: pyarrow.Array, row: int, scalar: type):
+    value = column[row].as_py()
+    return None if value is None else scalar(value)
 
 
 def columns_of_table(table: pyarrow.Table, names: Sequence[str]
@@ -207,8 +252,8 @@ class StoredColumns:
 
     ``take(rows)`` gives what ``columns_of_table(table.take(rows), names)``
     gives, without Arrow's ``take``: on a table of several record batches
-    that joins each whole column first (11 ms for 100 rows of a 117 MB row
-    group of 18 batches, against 0.25 ms here).  Each value is copied once,
+    that joins each whole column first, copying the whole row group to take
+    a few of its rows.  Each value is copied once,
     from the table's memory into the new column:
 
     * numbers, and variable-length columns of small values (under
@@ -296,7 +341,7 @@ class _ArrowColumn:
 def arrow_indices(rows: numpy.ndarray) -> pyarrow.Array:
     """Row numbers as an Arrow int64 array over the same memory.
 
-    ``pyarrow.array`` of a NumPy array would import pandas (about 0.25 s,
+    ``pyarrow.array`` of a NumPy array would import pandas (a slow import,
     in every loader process) just to check whether it was given a pandas
     object.
     """

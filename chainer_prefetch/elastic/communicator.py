@@ -44,7 +44,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from chainer_prefetch.elastic import plan
 from chainer_prefetch.elastic.errors import JobFinished, MembershipChanged, ScaleFailed
-from chainer_prefetch.elastic.etcd import parse_etcd_url
+from chainer_prefetch.elastic.etcd_url import parse_etcd_url
 from chainer_prefetch.elastic.membership import Membership
 from chainer_prefetch.elastic.policy import Progress, ScalePolicy, decide
 from chainer_prefetch.elastic.settings import ElasticSettings

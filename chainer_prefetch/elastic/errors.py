@@ -3,10 +3,14 @@
 Every one names what went wrong and where (the etcd address, the job key,
 the member, the setting that differs) so that a job never ends silently.
 """
+from chainer_prefetch.errors import ChainerPrefetchError
 
 
-class ElasticError(RuntimeError):
-    """Base class of the errors of :mod:`chainer_prefetch.elastic`."""
+class ElasticError(ChainerPrefetchError, RuntimeError):
+    """Base class of the errors of :mod:`chainer_prefetch.elastic`.
+
+    Also a ``RuntimeError``, as it was before it had the package's base.
+    """
 
 
 class EtcdUnavailable(ElasticError):

@@ -1,4 +1,7 @@
-"""etcd at the edges: the job URL, connecting, and a local etcd daemon.
+"""etcd at the edges: connecting to a job's etcd, and a local etcd daemon.
+
+The job's address (``etcd://host:port/job``) is parsed by
+:mod:`chainer_prefetch.elastic.etcd_url`, which needs no etcd client.
 
 The Debian package ``etcd-server`` installs etcd 3.4 but does not start it.
 :class:`EtcdServer` starts a private one on 127.0.0.1 (free ports, data in
@@ -10,63 +13,20 @@ can a user trying the example on one machine
 
 On a cluster, point ``--elastic`` at the site's etcd instead.
 """
-import re
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, Optional
 
 import etcd3gw
 
 from chainer_prefetch.elastic.errors import EtcdUnavailable
+from chainer_prefetch.elastic.etcd_url import EtcdUrl
 
-URL_PATTERN = re.compile(r'^etcd://(?P<endpoints>[^/]+)/(?P<job>[A-Za-z0-9._-]+)/?$')
-URL_EXAMPLE = 'etcd://127.0.0.1:2379/my-job (or etcd://e1:2379,e2:2379/my-job)'
 REQUEST_TIMEOUT = 2.0
 """Seconds one request to etcd may take before it counts as a failure."""
-
-
-class EtcdUrl(NamedTuple):
-    """A parsed ``etcd://host:port[,host:port...]/job`` address.
-
-    Attributes:
-        endpoints: ``(host, port)`` of each etcd server.
-        job: The job key; every process of a job uses the same one.
-    """
-    endpoints: Tuple[Tuple[str, int], ...]
-    job: str
-
-    def __str__(self) -> str:
-        return 'etcd://{}/{}'.format(','.join(
-            '{}:{}'.format(host, port) for host, port in self.endpoints),
-            self.job)
-
-    @property
-    def prefix(self) -> str:
-        """The etcd key prefix of the job."""
-        return '/chainer_prefetch/elastic/{}/'.format(self.job)
-
-
-def parse_etcd_url(url: str) -> EtcdUrl:
-    """Parses ``etcd://host:port[,host:port...]/job``.
-
-    Raises:
-        ValueError: not such an address (the message shows one).
-    """
-    match = URL_PATTERN.match(url.strip())
-    if not match:
-        raise ValueError('not an etcd job address: {!r}; expected {}'.format(
-            url, URL_EXAMPLE))
-    endpoints = []
-    for part in match.group('endpoints').split(','):
-        host, _, port = part.rpartition(':')
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError('bad etcd endpoint {!r} in {!r}; expected {}'
-                             .format(part, url, URL_EXAMPLE))
-        endpoints.append((host.strip('[]'), int(port)))
-    return EtcdUrl(tuple(endpoints), match.group('job'))
 
 
 def connect(url: EtcdUrl, timeout: float) -> etcd3gw.Etcd3Client:

@@ -33,7 +33,8 @@ import etcd3gw
 from etcd3gw.watch import Watcher
 
 from chainer_prefetch.elastic.errors import EtcdUnavailable, IncompatibleMember, JobFinished
-from chainer_prefetch.elastic.etcd import EtcdUrl, connect
+from chainer_prefetch.elastic.etcd import connect
+from chainer_prefetch.elastic.etcd_url import EtcdUrl
 from chainer_prefetch.elastic.plan import Record, SettleWindow, member_name, signature_mismatch
 from chainer_prefetch.elastic.policy import Progress
 from chainer_prefetch.elastic.settings import ElasticSettings

@@ -54,7 +54,7 @@ from chainer_prefetch.policy.epoch_plan import (
     shard_bounds,
     start_plan,
 )
-from chainer_prefetch.resilience.policy import LrRule, resolve_lr_rule
+from chainer_prefetch.policy.lr_rules import LrRule, resolve_lr_rule
 
 IteratorFactory = Callable[[Any], Any]
 """``factory(dataset) -> iterator`` of the validation shards (the old

@@ -26,6 +26,7 @@ import numpy
 
 from chainer_prefetch.columnar import ColumnarBatch, VarColumn
 from chainer_prefetch.iterators import _worker
+from chainer_prefetch.iterators._read_from import ReadFrom
 
 
 class PackedVar:
@@ -110,15 +111,15 @@ def _read(loader: _worker.Loader, indices: numpy.ndarray, local: numpy.ndarray):
     """The batch's columns and where the local rows came from."""
     original, located = loader.original_dataset, loader.located_dataset
     if not local.any():
-        return original.get_columns(indices), _worker.SOURCE
-    read_from = _worker.LOCAL
+        return original.get_columns(indices), ReadFrom.SOURCE
+    read_from = ReadFrom.LOCAL
     if local.all():
         try:
             return located.get_columns(indices), read_from
         except OSError as error:
             if not loader.about_local_file(error):
                 raise
-            return original.get_columns(indices), _worker.FALLBACK
+            return original.get_columns(indices), ReadFrom.FALLBACK
     positions = numpy.flatnonzero(local)
     others = numpy.flatnonzero(~local)
     try:
@@ -126,7 +127,7 @@ def _read(loader: _worker.Loader, indices: numpy.ndarray, local: numpy.ndarray):
     except OSError as error:
         if not loader.about_local_file(error):
             raise
-        return original.get_columns(indices), _worker.FALLBACK
+        return original.get_columns(indices), ReadFrom.FALLBACK
     from_source = original.get_columns(indices[others])
     joined = ColumnarBatch.concatenate([from_local, from_source])
     order = numpy.empty(len(indices), dtype=numpy.int64)

@@ -14,8 +14,8 @@ Roles (each a small class; the decisions are all in :mod:`._scheduler`)::
   carries out the actions; an action that answers at once (a cancelled copy,
   a failed hold, a delivered batch measured) is fed back before the next
   event.
-* **CopyThreads** run ``LocalStore.stage`` (stage 2); copying waits on I/O,
-  which releases the GIL, so threads add no process.
+* **CopyThreads** (:mod:`chainer_prefetch.staging.copy_threads`, with the
+  note on how row groups are read ahead) run ``LocalStore.stage`` (stage 2).
 * The **WorkerPool** runs the loader processes (stage 3), or
   **LoaderThreads** the loader threads (``loader_threads``).
 * **SharedBuffers**: anonymous shared memory (``memfd``), passed to the
@@ -34,7 +34,6 @@ import collections
 import copy
 import dataclasses
 import functools
-import itertools
 import mmap
 import os
 import queue
@@ -51,16 +50,13 @@ from chainer_prefetch.iterators import _columnar_worker, _worker
 from chainer_prefetch.iterators import _scheduler as s
 from chainer_prefetch.iterators._loader_threads import LoaderThreads
 from chainer_prefetch.iterators._worker_pool import TASKS_PER_WORKER, WorkerPool
+from chainer_prefetch.staging.copy_threads import CopyThreads
 from chainer_prefetch.staging.dataset_files import resolve_dataset_files
-from chainer_prefetch.staging.piece_reads import PieceReaders
-from chainer_prefetch.staging.sources import ReadAhead, Source, as_source, using_reads_ahead
+from chainer_prefetch.staging.sources import Source, as_source
 
 #: Seconds the whole shutdown may take.
 STOP_SECONDS = 5.0
 _WAIT_SECONDS = 0.05
-
-_READ_FROM = {_worker.LOCAL: s.ReadFrom.LOCAL, _worker.SOURCE: s.ReadFrom.SOURCE,
-              _worker.FALLBACK: s.ReadFrom.FALLBACK}
 
 _live_executors = weakref.WeakSet()
 
@@ -156,282 +152,6 @@ class Mailbox:
             self.generation += 1
             self._items.clear()
             return self.generation
-
-
-#: One-at-a-time copies read ahead of the one being made, at most.
-READS_AHEAD = 2
-
-
-class CopyThreads:
-    """Threads that run stage-2 copies; a copy not started yet can be cancelled.
-
-    Copies of sources whose ``copied_one_at_a_time`` is set (such as Parquet
-    row groups) are made one after the other, in the order submitted: each
-    already reads in parallel pieces and decodes, so two at once would only
-    share the disk and the cores and both finish late, where one at a time
-    finishes the one needed first early.  Two threads serve them as a
-    pipeline: one reads the next copy's origin ahead
-    (:meth:`~chainer_prefetch.staging.sources.Source.read_ahead`) while the
-    other makes the current one from what was read, so reading and decoding
-    overlap.  At most ``READS_AHEAD`` copies are read ahead of the one
-    being made: two, so that a small copy read fast does not leave the
-    storage idle while a large one is decoded.  A source that reads in
-    pieces (:meth:`~chainer_prefetch.staging.sources.Source.start_read_ahead`)
-    queues them on :class:`~chainer_prefetch.staging.piece_reads.PieceReaders`
-    shared by all the copies read ahead, first in, first out, so that the
-    next copy's pieces are read as soon as threads are free from this one's
-    (its read returns at once); the copy thread waits for a copy's pieces
-    before it makes it, and a copy cancelled meanwhile has the pieces not
-    started dropped.  A copy whose origin file is
-    that of a copy read or made meanwhile is read through the descriptor
-    that copy's read opened, kept open: on some file systems, FUSE without
-    ``keep_cache`` among them, opening a file again drops the pages the
-    other copy is decoding.  The other copies run on ``n_threads`` threads at
-    once (many small files: the latency of each hides behind the others).
-
-    Only sources that still need a copy are read ahead (``needs_copy``):
-    in later epochs, stage 2 finds most row groups current and reads
-    nothing.  A copy with nothing read ahead reads while it is made, alone:
-    it waits until the copies read ahead before it are being made, and no
-    read starts until it is done.  A copy whose queued read failed reads
-    again while it is made, and no further read starts until it is done
-    (those queued before it go on).
-
-    Args:
-        n_threads: How many threads run the other copies.
-        run: ``run(copy_action, sources) -> event``, called on a copy thread.
-        post: Where events go.
-        needs_copy: ``needs_copy(sources) -> bool``, whether a copy would
-            read their origins (not when the local forms are current).
-    """
-
-    def __init__(self, n_threads: int, run, post, needs_copy):
-        self._run_copy = run
-        self._post = post
-        self._needs_copy = needs_copy
-        self._n_threads = n_threads  # beside the read-ahead and copy-alone ones
-        self._tasks = queue.SimpleQueue()
-        self._tasks_alone = queue.SimpleQueue()
-        self._to_make = queue.SimpleQueue()  # (action, sources, reads)
-        self._read_ahead_slots = threading.Semaphore(READS_AHEAD)
-        self._piece_readers = PieceReaders()  # closed by the read-ahead thread
-        self._lock = threading.Lock()
-        self._queued = {}  # copy id -> action, not started yet
-        self._pending_reads = {}  # copy id -> its reads ahead, until it is made
-        targets = [(self._read_ahead_loop, 'read-ahead'),
-                   (self._make_loop, 'copy-alone')] + [
-            (self._loop, 'copy-{}'.format(i)) for i in range(n_threads)]
-        self.threads = [threading.Thread(target=target, daemon=True,
-                                         name='chainer_prefetch-' + name)
-                        for target, name in targets]
-        for thread in self.threads:
-            thread.start()
-
-    def submit(self, action: s.Copy, sources: Sequence[Source]):
-        """Queues the copy of ``sources``, the files of ``action``'s item."""
-        with self._lock:
-            self._queued[action.copy_id] = action
-        alone = any(source.copied_one_at_a_time for source in sources)
-        (self._tasks_alone if alone else self._tasks).put((action, sources))
-
-    def cancel(self, copy_ids) -> tuple:
-        """Cancels the copies no thread has started; returns their ids.
-
-        The pieces of their reads ahead that no thread has started are
-        dropped, also while the copy thread waits for them.
-        """
-        with self._lock:
-            cancelled = tuple(copy_id for copy_id in copy_ids
-                              if self._queued.pop(copy_id, None) is not None)
-            reads = [self._pending_reads.pop(copy_id, ()) for copy_id in cancelled]
-        for read in itertools.chain.from_iterable(reads):
-            read.cancel()
-        return cancelled
-
-    def stop(self):
-        """Asks every thread to stop after its current copy."""
-        with self._lock:
-            self._queued.clear()
-        self._piece_readers.close(wait=False)  # (the read-ahead thread waits)
-        self._tasks_alone.put(None)
-        for _ in range(self._n_threads):
-            self._tasks.put(None)
-
-    def _is_queued(self, copy_id) -> bool:
-        with self._lock:
-            return copy_id in self._queued
-
-    def _start(self, action: s.Copy) -> bool:
-        """Marks the copy started; ``False`` if it was cancelled."""
-        with self._lock:
-            return self._queued.pop(action.copy_id, None) is not None
-
-    def _make(self, action: s.Copy, sources: Sequence[Source], reads=()):
-        try:
-            with using_reads_ahead(reads):
-                event = self._run_copy(action, sources)
-        except BaseException as error:  # a bug must reach next()
-            event = _Crashed(error)
-        self._post(event)
-
-    def _loop(self):
-        while True:
-            task = self._tasks.get()
-            if task is None:
-                return
-            if self._start(task[0]):
-                self._make(*task)
-
-    def _read_ahead_loop(self):
-        """Reads the one-at-a-time copies' origins ahead, in order, ``READS_AHEAD`` at most."""
-        open_origins = OpenOrigins(READS_AHEAD + 1)
-        try:
-            while True:
-                task = self._tasks_alone.get()
-                if task is None:
-                    self._to_make.put(None)
-                    return
-                # Wait until the copy READS_AHEAD before is being made.
-                self._read_ahead_slots.acquire()
-                if not self._is_queued(task[0].copy_id):  # cancelled
-                    self._read_ahead_slots.release()
-                    continue
-                reads = self._read_ahead(task[1], open_origins)
-                if reads == []:  # it reads while it is made: alone
-                    for _ in range(READS_AHEAD - 1):
-                        self._read_ahead_slots.acquire()
-                elif reads:
-                    self._keep_pending(task[0].copy_id, reads)
-                self._to_make.put(task + (reads,))
-                reads = None  # (owned by the copy thread now)
-        finally:
-            try:
-                open_origins.close()
-            finally:  # (a copy waiting for its reads: cancelled)
-                self._piece_readers.close()
-
-    def _keep_pending(self, copy_id, reads: Sequence[ReadAhead]):
-        """Keeps ``reads`` for :meth:`cancel`; cancels them if the copy was cancelled meanwhile."""
-        with self._lock:
-            wanted = copy_id in self._queued
-            if wanted:
-                self._pending_reads[copy_id] = reads
-        if not wanted:
-            for read in reads:
-                read.cancel()
-
-    def _read_ahead(self, sources: Sequence[Source],
-                    open_origins: 'OpenOrigins') -> Optional[list]:
-        """What was read ahead for ``sources``.
-
-        Args:
-            sources: The sources of one copy.
-            open_origins: The origins kept open, through which they are read.
-
-        Returns:
-            The reads; ``[]`` when the copy will read for itself (nothing
-            read, or a read failed); ``None`` when their local forms are
-            current (the copy reads nothing).
-        """
-        reads = []
-        try:
-            if not self._needs_copy(sources):
-                return None
-            opened = open_origins.open({source.origin for source in sources})
-            for source in sources:
-                read = source.start_read_ahead(opened[source.origin],
-                                               self._piece_readers)
-                if isinstance(read, ReadAhead):
-                    reads.append(read)
-        except Exception:  # the copy reads again and names the file
-            for read in reads:
-                read.cancel()
-            return []
-        return reads
-
-    def _make_loop(self):
-        """Makes the one-at-a-time copies from what was read ahead for them."""
-        while True:
-            task = self._to_make.get()
-            if task is None:
-                return
-            action, sources, reads = task
-            task = None
-            reads_itself = reads == []
-            read_failed = False
-            if reads:  # their pieces may still be queued or being read
-                # Each is waited for; a failed one is dropped, and the copy reads again.
-                read_failed = not all([read.finish() for read in reads])
-                with self._lock:
-                    self._pending_reads.pop(action.copy_id, None)
-            if not (reads_itself or read_failed):  # read, or nothing to read
-                self._read_ahead_slots.release()  # read the next meanwhile
-            if self._start(action):
-                self._make(action, sources, reads or ())
-            reads = None  # the maps read ahead go now, not after the next copy
-            if reads_itself:
-                for _ in range(READS_AHEAD):  # it read alone; now the next
-                    self._read_ahead_slots.release()
-            elif read_failed:  # it read again, with no further read started
-                self._read_ahead_slots.release()
-
-
-class OpenOrigins:
-    """The origin files of the last copies read ahead, kept open.
-
-    Reading a copy's origin through a descriptor already open, rather than
-    opening the file again, keeps the pages that copies read before from the
-    same file may still be decoding (see :class:`CopyThreads`).
-
-    Args:
-        recent: How many of the last copies read keep their origins open
-            (the copy being read, those read ahead before it, and the one
-            being made).
-    """
-
-    def __init__(self, recent: int):
-        self._recent = collections.deque(maxlen=recent)  # their origins
-        self._descriptors = {}  # origin -> open descriptor
-
-    def open(self, origins) -> dict:
-        """Descriptors of ``origins``, kept or opened now; closes those no copy recent uses.
-
-        A kept descriptor whose file is no longer the one at its path (the
-        origin was replaced) is closed and the path opened again.
-
-        Args:
-            origins: The origin paths of the copy about to be read.
-
-        Returns:
-            ``{origin: descriptor}``; the descriptors stay this object's.
-
-        Raises:
-            OSError: an origin cannot be opened.
-        """
-        self._recent.append(frozenset(origins))
-        in_use = frozenset().union(*self._recent)
-        for origin in list(self._descriptors):
-            if origin not in in_use or (origin in origins and not _still_at(
-                    self._descriptors[origin], origin)):
-                os.close(self._descriptors.pop(origin))
-        for origin in origins:
-            if origin not in self._descriptors:
-                self._descriptors[origin] = os.open(origin, os.O_RDONLY)
-        return {origin: self._descriptors[origin] for origin in origins}
-
-    def close(self):
-        """Closes every descriptor held."""
-        descriptors, self._descriptors = self._descriptors, {}
-        for descriptor in descriptors.values():
-            os.close(descriptor)
-
-
-def _still_at(descriptor: int, path: str) -> bool:
-    """Whether the open file ``descriptor`` is still the file at ``path``."""
-    try:
-        return os.path.samestat(os.fstat(descriptor), os.stat(path))
-    except OSError:
-        return False
 
 
 class SharedBuffers:
@@ -623,8 +343,10 @@ class Executor:
             self._load_columns_of = _columnar_worker.load_columns
         self._buffers = SharedBuffers(self._pool, self._events.put)
         if self._store is not None:
-            self._copies = CopyThreads(settings.n_copy_threads, self._copy,
-                                       self._events.put, self._store.needs_copy)
+            self._copies = CopyThreads(
+                settings.n_copy_threads, self._copy, self._events.put,
+                lambda error: self._events.put(_Crashed(error)),
+                self._store.needs_copy)
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name='chainer_prefetch-pipeline')
         _live_executors.add(self)
@@ -688,9 +410,7 @@ class Executor:
         """
         with self._step_lock:
             cache = self._scheduler.cache
-            return (dict(self._scheduler.counts),
-                    {epoch: dict(counts) for epoch, counts
-                     in self._scheduler.by_epoch.items()},
+            return (*self._scheduler.counts.snapshot(),
                     None if cache is None else dict(
                         cache.counters, held_bytes=cache.held_bytes))
 
@@ -732,7 +452,7 @@ class Executor:
                 (kept if self._store.hold(item, access) else lost).append(
                     (position, item))
             return [s.Held(action.batch_id, tuple(kept), tuple(lost))]
-        elif kind is s.Deliver:
+        elif issubclass(kind, s.Deliver):
             return self._deliver(action)
         elif kind is s.CancelCopies:
             cancelled = self._copies.cancel(action.copy_ids)
@@ -777,8 +497,8 @@ class Executor:
                     results.append(s.LoadFailure(self._load_error(
                         index, example, detail)))
                     break
-                results.append(s.LoadResult(example, _READ_FROM[read_from],
-                                            detail, answer[3]))
+                results.append(s.LoadResult(example, read_from, detail,
+                                            answer[3]))
                 if answer[4] is not None and self._on_finding is not None:
                     self._on_finding(index, answer[4])
             self._events.put(s.Loaded(task_id, tuple(results)))
@@ -799,7 +519,7 @@ class Executor:
             elif read_from is None:
                 result = s.LoadFailure(self._load_error(last, batch, detail))
             else:
-                result = s.LoadResult(batch, _READ_FROM[read_from], detail, last)
+                result = s.LoadResult(batch, read_from, detail, last)
             self._events.put(s.ColumnsLoaded(task_id, result))
 
         try:
@@ -838,15 +558,15 @@ class Executor:
 
     def _deliver(self, action: s.Deliver) -> list:
         generation = action.generation
-        if action.kind == 'end':
+        if isinstance(action, s.DeliverEnd):
             self.mailbox.put(EndOfData(action.state), generation)
             return []
-        if action.kind == 'failure':
+        if isinstance(action, s.DeliverFailure):
             self.mailbox.put(Failure(action.error), generation)
             return []
-        if action.columnar:
+        if isinstance(action, s.DeliverColumns):
             batch = self._buffers.unpack_columns(
-                action.buffer, action.examples[0], action.hand_over)
+                action.buffer, action.columns, action.hand_over)
             self.mailbox.put((batch, action.state), generation)
             if action.measure:  # bytes per row, with room for larger rows
                 return [s.Measured(-(-_columnar_worker.packed_bytes(batch) * 5

@@ -47,8 +47,8 @@ def main_needs_it() -> bool:
     try:
         with open(path, errors='replace') as script:
             return _GUARD.search(script.read()) is None
-    except OSError:
-        return False
+    except OSError:  # (standard input, a file since removed)
+        return True
 
 
 def fork_server_now() -> bool:
@@ -97,6 +97,13 @@ def fork_server_now() -> bool:
     return True
 
 
+def serving() -> bool:
+    """Whether the fork server now running was forked from this process."""
+    server = multiprocessing.forkserver._forkserver
+    return (server._forkserver_pid is not None
+            and getattr(server, '_chainer_prefetch_forked', False))
+
+
 def forget_inherited() -> None:
     """In a process forked from a fork server's client: closes the client's
     end of the server's "alive" pipe, so the server ends with its client."""
@@ -121,7 +128,20 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
             ctypes.CDLL(None).prctl(15, ctypes.c_char_p(NAME), 0, 0, 0)
         except (OSError, AttributeError):
             pass
+        _main_file_as_clients_name_it()
         multiprocessing.forkserver.main(listener_fd, alive_r, [])
         code = 0
     finally:
         os._exit(code)
+
+
+def _main_file_as_clients_name_it() -> None:
+    """In the server: gives the main module the absolute ``__file__`` its
+    clients send with every start, so that a loader takes the main module it
+    has as that file instead of running it again (for ``python -`` the name
+    ``<stdin>`` becomes a path that does not exist)."""
+    main = sys.modules.get('__main__')
+    path = getattr(main, '__file__', None)
+    original = multiprocessing.process.ORIGINAL_DIR
+    if path is not None and not os.path.isabs(path) and original is not None:
+        main.__file__ = os.path.normpath(os.path.join(original, path))

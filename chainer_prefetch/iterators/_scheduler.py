@@ -6,6 +6,13 @@ actions out (copy threads, loader processes, shared memory, the consumer's
 mailbox) and feeds what happens back as events.  So every scheduling
 decision can be driven and checked by a unit test, deterministically.
 
+It is made of small pure parts, each in a module of its own: the copy
+window (:mod:`._copy_window`: copies in flight, items known local, the slow
+start, the bytes ahead), the load dispatcher (:mod:`._load_dispatch`: which
+ready accesses go to a loader together) and the counters
+(:mod:`._pipeline_counts`).  Each event type has one handler, named in the
+table ``Scheduler._HANDLERS``.
+
 Accesses
 --------
 Stage 1 (Chainer's iterator state machine, :mod:`chainer_prefetch.policy.lookahead`)
@@ -80,8 +87,9 @@ of its last row, its weight the number of its rows), so the bookkeeping per
 batch is a few units, not one entry per row.  Once every unit is ready, the
 whole batch is one :class:`LoadColumns` task (answer:
 :class:`ColumnsLoaded`): the loader process writes its columns into the
-batch's buffer (``example_bytes`` per row), and the batch is delivered as
-one :class:`~chainer_prefetch.columnar.ColumnarBatch`.  The decode window
+batch's buffer (``example_bytes`` per row), and the batch is delivered
+(:class:`DeliverColumns`) as one
+:class:`~chainer_prefetch.columnar.ColumnarBatch`.  The decode window
 is then ``config.decode_window`` batches (one task each; the iterator asks
 for two per loader process, so that each has one queued while it loads
 another).  The next-epoch cache is not used.
@@ -95,14 +103,14 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 import numpy
 
 from chainer_prefetch.columnar import positions
+from chainer_prefetch.iterators._copy_window import CopyWindow
+from chainer_prefetch.iterators._load_dispatch import DECODE_WINDOW, LoadDispatcher
+from chainer_prefetch.iterators._pipeline_counts import PipelineCounts
+from chainer_prefetch.iterators._read_from import ReadFrom
 from chainer_prefetch.policy import lookahead
 from chainer_prefetch.policy.eviction import NEVER
 from chainer_prefetch.policy.future_uses import FutureUses
 from chainer_prefetch.policy.next_epoch_cache import NextEpochCache
-
-#: Batches whose examples load at the same time: two keep every worker busy
-#: across a batch boundary.
-DECODE_WINDOW = 2
 
 
 class Status(enum.Enum):
@@ -117,14 +125,6 @@ class Status(enum.Enum):
     LOADING = 'loading'
     LOADED = 'loaded'
     FAILED = 'failed'
-
-
-class ReadFrom(enum.Enum):
-    """Where stage 3 read an example."""
-
-    LOCAL = 'local'
-    SOURCE = 'source'
-    FALLBACK = 'fallback'  #: local copy unreadable (evicted meanwhile): source
 
 
 # ---- events: what the executor reports ---------------------------------------
@@ -332,29 +332,56 @@ class FreeBuffer:
 
 @dataclasses.dataclass(frozen=True)
 class Deliver:
-    """Put a delivered item into the consumer's mailbox.
+    """Put a delivered item into the consumer's mailbox: one subclass per kind."""
 
-    ``kind`` is ``'batch'`` (``examples`` as loaded, to unpack from
-    ``buffer``), ``'end'`` (``repeat=False`` and the epoch is over) or
-    ``'failure'`` (``error``).  With ``hand_over`` the examples are views of
-    the buffer, which the consumer then holds (answer, later:
-    :class:`BufferReleased`); without, they are copied out of it.
-    ``cache_wants`` lists ``(position, index, epoch)`` of the examples the
-    next-epoch cache wants a copy of (answer: :class:`CacheOffers`);
-    ``measure`` asks for a :class:`Measured` answer.  ``columnar``: the
-    examples are one batch of columns (see :class:`LoadColumns`).
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DeliverExamples(Deliver):
+    """A batch of examples, as loaded: to unpack from ``buffer``.
+
+    With ``hand_over`` the examples are views of the buffer, which the
+    consumer then holds (answer, later: :class:`BufferReleased`); without,
+    they are copied out of it.  ``cache_wants`` lists ``(position, index,
+    epoch)`` of the examples the next-epoch cache wants a copy of (answer:
+    :class:`CacheOffers`); ``measure`` asks for a :class:`Measured` answer.
     """
 
-    kind: str
-    generation: int
-    state: Optional[lookahead.LookaheadState] = None
-    examples: Optional[List[Any]] = None
-    buffer: Optional[int] = None
-    hand_over: bool = False
-    error: Optional[BaseException] = None
+    state: lookahead.LookaheadState
+    examples: List[Any]
+    buffer: Optional[int]
+    hand_over: bool
     cache_wants: Tuple[Tuple[int, int, int], ...] = ()
     measure: bool = False
-    columnar: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DeliverColumns(Deliver):
+    """A columnar batch (see :class:`LoadColumns`): to unpack from ``buffer``.
+
+    ``hand_over`` and ``measure`` as for :class:`DeliverExamples`.
+    """
+
+    state: lookahead.LookaheadState
+    columns: Any
+    buffer: Optional[int]
+    hand_over: bool
+    measure: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DeliverEnd(Deliver):
+    """``repeat=False`` and the epoch is over: ``next()`` raises ``StopIteration``."""
+
+    state: lookahead.LookaheadState
+
+
+@dataclasses.dataclass(frozen=True)
+class DeliverFailure(Deliver):
+    """A batch (or stage 1) failed: ``next()`` raises ``error``."""
+
+    error: BaseException
 
 
 @dataclasses.dataclass(frozen=True)
@@ -575,112 +602,55 @@ class _UnitBatch(_Batch):
         return int(self.weights[position])
 
 
-class _Marker:
-    """An in-flight entry that is not a batch: end of data, or stage 1's failure."""
-
-    def __init__(self, kind, state=None, error=None):
-        self.kind = kind
-        self.state = state
-        self.error = error
-
-
-class _ItemsAhead:
-    """The items the batches in flight use, and their bytes together.
-
-    Args:
-        item_bytes: ``item_bytes(item)``, an item's estimated local bytes.
-    """
-
-    def __init__(self, item_bytes: Callable[[int], int]):
-        self._item_bytes = item_bytes
-        self.uses: collections.Counter = collections.Counter()  # item -> batches
-        self.bytes = 0
-
-    def bytes_with(self, items: Set[int]) -> int:
-        """The bytes together if a batch using ``items`` joined."""
-        return self.bytes + sum(self._item_bytes(item) for item in items
-                                if item not in self.uses)
-
-    def add(self, items: Set[int]):
-        for item in items:
-            if item not in self.uses:
-                self.bytes += self._item_bytes(item)
-            self.uses[item] += 1
-
-    def remove(self, items: Set[int]):
-        for item in items:
-            self.uses[item] -= 1
-            if not self.uses[item]:
-                del self.uses[item]
-                self.bytes -= self._item_bytes(item)
-
-    def clear(self):
-        self.uses.clear()
-        self.bytes = 0
-
-
-class _CopyState:
-    """A copy in flight and the accesses waiting for it."""
-
-    def __init__(self, copy_id: int, access: int):
-        self.copy_id = copy_id
-        self.access = access  # the access it was started for
-        self.waiters: List[Tuple[int, int]] = []  # (batch id, position)
-
-
 class Scheduler:
     """The pipeline's decisions; see the module docstring.
+
+    It composes the copy window (:class:`CopyWindow`: stage 2 ahead of the
+    loads), the load dispatcher (:class:`LoadDispatcher`: stage 3's tasks),
+    the shared buffers' bookkeeping (:class:`_Buffers`) and the counters
+    (:class:`PipelineCounts`), and keeps the batches in flight.
 
     Args:
         config: The fixed parameters.
         state: The iterator state to start from.
         cache: The next-epoch cache, or ``None``.
+
+    Attributes:
+        taken, delivered, generated: The cursors (see the module docstring).
+        counts: The counters ``iterator.stats`` reports.
     """
 
     def __init__(self, config: SchedulerConfig,
                  state: lookahead.LookaheadState,
                  cache: Optional[NextEpochCache] = None):
-        self.config = config
-        self.cache = cache
-        self._state = state
-        self._generation = 0
-        self._ids = itertools.count()
-        self._in_flight: Deque[Any] = collections.deque()  # batches, markers
-        self._batches: Dict[int, _Batch] = {}  # in flight, and discarded ones still loading
-        self._tasks: Dict[int, Tuple[int, Tuple[int, ...]]] = {}  # task -> (batch, positions)
-        self._copying: Dict[int, _CopyState] = {}  # item -> copy in flight
-        self._copy_items: Dict[int, int] = {}  # copy id -> item
-        self._holding: Dict[int, _Batch] = {}  # batches with Hold entries to send
-        self._exhausted = False
-        self.taken = self.delivered = self.generated = 0
-        self._next_indices = None  # stage 1's next step, not taken yet, and its items
-        self._items_ahead = (None if config.max_bytes_ahead is None
-                             else _ItemsAhead(config.item_bytes))
-        self._delivered_ever = 0  # batches delivered since the start (slow start)
-        self._slow_start_over = not config.slow_start  # the window is wholly open
-        self._reads_only_local = True  # no load reads shared storage (slow start)
         if config.columnar and cache is not None:
             raise ValueError('columnar batches do not use the next-epoch cache')
         if config.max_bytes_ahead is not None and (config.item_of is None
                                                    or config.item_bytes is None):
             raise ValueError('max_bytes_ahead needs item_of and item_bytes')
-        self._decode_window = (max(DECODE_WINDOW, config.decode_window)
-                               if config.columnar else DECODE_WINDOW)
-        self._buffers = _Buffers(self._decode_window + config.n_prefetch + 2,
+        self.config = config
+        self.cache = cache
+        self._state = state
+        self._generation = 0
+        self._ids = itertools.count()
+        # Batches, and for the end of data or stage 1's failure what to
+        # deliver in its place (a reset empties it, so the generation it
+        # names is still current when delivered).
+        self._in_flight: Deque[Any] = collections.deque()
+        self._batches: Dict[int, _Batch] = {}  # in flight, and discarded ones still loading
+        self._holding: Dict[int, _Batch] = {}  # batches with Hold entries to send
+        self._exhausted = False
+        self.taken = self.delivered = self.generated = 0
+        self._next_indices = None  # stage 1's next step, not taken yet, and its items
+        self._loads = LoadDispatcher(config, self._ids)
+        self._window = CopyWindow(config, self._loads.decode_window)
+        self._buffers = _Buffers(self._loads.decode_window + config.n_prefetch + 2,
                                  config.example_bytes)
         self._cache_epoch = -1  # the cache dropped what epochs before this left
         self._measure_next = config.example_bytes is None
-        n_items = (config.dataset_length if config.item_of is None
-                   else int(config.item_of.max()) + 1 if len(config.item_of)
-                   else 0)
-        # Epoch in which each item was last known to have current local
-        # copies (-1: not known).
-        self._known_local = numpy.full(n_items, -1, dtype=numpy.int32)
         self._future = (FutureUses(config.dataset_length, config.item_of)
                         if config.limited else None)
-        self.counts = collections.Counter()
-        self.by_epoch: Dict[int, collections.Counter] = collections.defaultdict(
-            collections.Counter)
+        self.counts = PipelineCounts()
         self._actions: List[Any] = []
 
     # ---- the one entry point -------------------------------------------------
@@ -688,8 +658,7 @@ class Scheduler:
     def step(self, event) -> List[Any]:
         """Takes one event and returns the actions it leads to, in order."""
         self._actions = []
-        handler = getattr(self, '_on_' + type(event).__name__)
-        handler(event)
+        self._HANDLERS[type(event)](self, event)
         self._advance()
         actions, self._actions = self._actions, []
         return actions
@@ -700,45 +669,34 @@ class Scheduler:
         assert 0 <= self.taken <= self.delivered <= self.generated, (
             self.taken, self.delivered, self.generated)
         assert self.delivered - self.taken <= config.n_prefetch
-        assert self.generated - self.delivered <= self._copy_window()
-        assert self._copy_window() <= config.n_copy_ahead
+        assert self.generated - self.delivered <= self._window.size()
         assert len(self._in_flight) == self.generated - self.delivered
-        if self._items_ahead is not None:
-            uses = collections.Counter()
-            for entry in self._in_flight:
-                if isinstance(entry, _Batch):
-                    uses.update(self._items_of(entry.indices))
-            ahead = self._items_ahead
-            assert uses == ahead.uses, (uses, ahead.uses)
-            assert ahead.bytes == sum(map(config.item_bytes, uses))
-            batches = sum(isinstance(entry, _Batch) for entry in self._in_flight)
-            assert ahead.bytes <= config.max_bytes_ahead or batches == 1
+        batches = [entry for entry in self._in_flight if isinstance(entry, _Batch)]
+        self._window.check_invariants(batch.indices for batch in batches)
         for offset, entry in enumerate(self._in_flight):
-            if isinstance(entry, _Batch) and offset >= self._decode_window:
+            if isinstance(entry, _Batch) and offset >= self._loads.decode_window:
                 assert not entry.dispatched, 'load outside the decode window'
-        for entry in self._in_flight:
-            if isinstance(entry, _Batch):
-                assert entry.waiting == (entry.status.count(Status.COPYING)
-                                         + entry.status.count(Status.HOLDING))
+        for batch in batches:
+            assert batch.waiting == (batch.status.count(Status.COPYING)
+                                     + batch.status.count(Status.HOLDING))
 
-    # ---- event handlers -------------------------------------------------------
+    # ---- event handlers (see _HANDLERS) -----------------------------------------
 
-    def _on_Start(self, event):
-        pass
+    def _on_start(self, event: Start):
+        """Nothing to do: every step moves the pipeline along."""
 
-    def _on_Consumed(self, event):
+    def _on_consumed(self, event: Consumed):
         if event.generation == self._generation:
             self.taken += 1
 
-    def _on_Reset(self, event):
+    def _on_reset(self, event: Reset):
         for entry in self._in_flight:
             if isinstance(entry, _Batch):
                 self._discard(entry)
         self._in_flight.clear()
-        if self._copying:
-            self._emit(CancelCopies(tuple(
-                copy.copy_id for copy in self._copying.values())))
-        self._copying.clear()
+        cancelled = self._window.reset()
+        if cancelled:
+            self._emit(CancelCopies(cancelled))
         if self._future is not None:
             self._future.clear()
             self._emit(ForgetNextUses())
@@ -747,27 +705,24 @@ class Scheduler:
             self._cache_epoch = -1
         self._state = event.state
         self._next_indices = None
-        if self._items_ahead is not None:
-            self._items_ahead.clear()
         self._generation = event.generation
         self._exhausted = False
         self.taken = self.delivered = self.generated = 0
 
-    def _on_Copied(self, event):
+    def _on_copied(self, event: Copied):
+        window = self._window
         for item in event.evicted:
-            self._known_local[item] = -1
-        self._copy_items.pop(event.copy_id, None)
-        copy = self._copying.get(event.item)
-        if copy is None or copy.copy_id != event.copy_id:
+            window.forget(item)
+        copy = window.end_copy(event.copy_id)
+        if copy is None:
             # Reset meanwhile: end the store's hold for the lost access.
             if event.staged and self.config.limited:
                 self._emit(Used(event.item, 0, NEVER))
             return
-        del self._copying[event.item]
         epoch = self._epoch_of(copy.access)
-        self.by_epoch[epoch]['bytes_copied'] += event.bytes_read
+        self.counts.copied(epoch, event.bytes_read)
         if event.staged:
-            self._known_local[event.item] = epoch
+            window.mark_local(event.item, epoch)
         for batch, position in self._live_waiters(copy):
             if (event.staged and self.config.limited
                     and batch.access(position) != copy.access):
@@ -775,15 +730,13 @@ class Scheduler:
                 self._hold(batch, position, event.item)
             else:
                 self._set_ready(batch, position, local=event.staged)
-        self._end_slow_start_if_idle()  # (once its waiters know where they read)
+        window.end_slow_start_if_idle()  # (once its waiters know where they read)
 
-    def _on_CopiesCancelled(self, event):
+    def _on_copies_cancelled(self, event: CopiesCancelled):
         for copy_id in event.copy_ids:
-            item = self._copy_items.pop(copy_id, None)
-            copy = self._copying.get(item)
-            if copy is None or copy.copy_id != copy_id:
+            copy = self._window.end_copy(copy_id)
+            if copy is None:
                 continue
-            del self._copying[item]
             head = self._head_batch()
             replan = []
             for batch, position in self._live_waiters(copy):
@@ -796,7 +749,7 @@ class Scheduler:
             for batch, position in replan:
                 self._plan(batch, position)
 
-    def _on_Held(self, event):
+    def _on_held(self, event: Held):
         batch = self._batches.get(event.batch_id)
         if batch is None or batch.discarded:
             for _, item in event.kept:  # end the holds of lost accesses
@@ -805,28 +758,12 @@ class Scheduler:
         for position, _ in event.kept:
             self._set_ready(batch, position, local=True)
         for position, item in event.lost:
-            self._known_local[item] = -1
+            self._window.forget(item)
             batch.waiting -= 1
             batch.status[position] = Status.PLANNED
             self._plan(batch, position)
 
-    def _answered(self, task_id):
-        """The batch and positions of an answered load task (batch ``None``: discarded)."""
-        batch_id, positions = self._tasks.pop(task_id)
-        batch = self._batches[batch_id]
-        batch.outstanding -= 1
-        if batch.discarded:
-            self._release_if_idle(batch)
-            return None, positions
-        return batch, positions
-
-    @staticmethod
-    def _failure_of(result) -> BaseException:
-        """The error a load answer that is not a :class:`LoadResult` stands for."""
-        return (result.error if isinstance(result, LoadFailure)
-                else RuntimeError('load task ended early'))
-
-    def _on_Loaded(self, event):
+    def _on_loaded(self, event: Loaded):
         batch, positions = self._answered(event.task_id)
         if batch is None:
             return
@@ -840,11 +777,12 @@ class Scheduler:
             batch.status[position] = Status.LOADED
             batch.results[position] = result.example
             batch.done += 1
-            self._count_load(batch, position, result)
+            self._count_load(batch, position, result.read_from,
+                             result.source_bytes)
             if result.unfit_bytes:
                 self._buffers.grow(result.unfit_bytes)
 
-    def _on_ColumnsLoaded(self, event):
+    def _on_columns_loaded(self, event: ColumnsLoaded):
         batch, units = self._answered(event.task_id)
         if batch is None:
             return
@@ -860,28 +798,59 @@ class Scheduler:
             batch.status[unit] = Status.LOADED
             batch.done += 1
             read_from = result.read_from if batch.local[unit] else ReadFrom.SOURCE
-            counted = LoadResult(None, read_from, 0 if read_from is ReadFrom.LOCAL
-                                 else source_bytes)
+            self._count_load(batch, unit, read_from,
+                             0 if read_from is ReadFrom.LOCAL else source_bytes)
             if read_from is not ReadFrom.LOCAL:
                 source_bytes = 0  # counted once
-            self._count_load(batch, unit, counted)
         if result.unfit_bytes:
             self._buffers.grow(result.unfit_bytes)
 
-    def _on_Measured(self, event):
+    def _on_measured(self, event: Measured):
         if self._buffers.example_bytes is None:  # 0: examples without arrays
             self._buffers.example_bytes = event.example_bytes
 
-    def _on_BufferAllocated(self, event):
+    def _on_buffer_allocated(self, event: BufferAllocated):
         if not event.ok:
             self._buffers.failed(event.buffer)
 
-    def _on_BufferReleased(self, event):
+    def _on_buffer_released(self, event: BufferReleased):
         self._buffers.release(event.buffer, self._emit)
 
-    def _on_CacheOffers(self, event):
+    def _on_cache_offers(self, event: CacheOffers):
         for index, epoch, example, n_bytes in event.offers:
             self.cache.offer(index, epoch, example, n_bytes)
+
+    #: The handler of each event type (:meth:`step` calls it).
+    _HANDLERS = {
+        Start: _on_start,
+        Consumed: _on_consumed,
+        Reset: _on_reset,
+        Copied: _on_copied,
+        CopiesCancelled: _on_copies_cancelled,
+        Held: _on_held,
+        Loaded: _on_loaded,
+        ColumnsLoaded: _on_columns_loaded,
+        Measured: _on_measured,
+        BufferAllocated: _on_buffer_allocated,
+        BufferReleased: _on_buffer_released,
+        CacheOffers: _on_cache_offers,
+    }
+
+    def _answered(self, task_id):
+        """The batch and positions of an answered load task (batch ``None``: discarded)."""
+        batch_id, positions = self._loads.answered(task_id)
+        batch = self._batches[batch_id]
+        batch.outstanding -= 1
+        if batch.discarded:
+            self._release_if_idle(batch)
+            return None, positions
+        return batch, positions
+
+    @staticmethod
+    def _failure_of(result) -> BaseException:
+        """The error a load answer that is not a :class:`LoadResult` stands for."""
+        return (result.error if isinstance(result, LoadFailure)
+                else RuntimeError('load task ended early'))
 
     # ---- moving things along ------------------------------------------------
 
@@ -898,17 +867,12 @@ class Scheduler:
                 self._send_holds()
                 return
 
-    def _copy_window(self) -> int:
-        if self._slow_start_over:
-            return self.config.n_copy_ahead
-        return min(self.config.n_copy_ahead,
-                   self._decode_window + self._delivered_ever)
-
     def _generate(self):
         """Stage 1 up to the copy window; plans staging for each new access."""
         config = self.config
+        window = self._window
         while (not self._exhausted
-               and self.generated - self.delivered < self._copy_window()):
+               and self.generated - self.delivered < window.size()):
             first_access = (self._state.epoch * config.dataset_length
                             + self._state.current_position)
             try:
@@ -917,19 +881,20 @@ class Scheduler:
                         self._state, config.batch_size, config.repeat,
                         config.order_sampler, config.dataset_length)
                     self._next_indices = (state, indices,
-                                          self._items_counted(indices))
+                                          window.items_counted(indices))
                 state, indices, items = self._next_indices
-                if items is not None and not self._room_ahead_for(items):
+                if items is not None and not window.has_room_for(
+                        items, alone=self.generated == self.delivered):
                     return  # until a delivery frees items
                 self._next_indices = None
                 self._state = state
                 self._register_orders()
             except Exception as error:
-                self._push(_Marker('failure', error=error))
+                self._push(DeliverFailure(self._generation, error))
                 self._exhausted = True
                 return
             if indices is None:
-                self._push(_Marker('end', state=self._state))
+                self._push(DeliverEnd(self._generation, self._state))
                 self._exhausted = True
                 return
             batch = self._new_batch(indices, first_access)
@@ -937,7 +902,7 @@ class Scheduler:
             self._push(batch)
             if items is not None:
                 batch.items = items
-                self._items_ahead.add(items)
+                window.add_items(items)
             if self._future is not None:
                 batch.next_uses = [
                     self._future.following_use(self._item(int(index)),
@@ -945,21 +910,6 @@ class Scheduler:
                     for position, index in enumerate(batch.indices)]
             for position in range(batch.size):
                 self._plan(batch, position)
-
-    def _items_counted(self, indices) -> Optional[Set[int]]:
-        """The items of a batch of ``indices``, where they count against ``max_bytes_ahead``."""
-        if self._items_ahead is None or indices is None:
-            return None
-        return self._items_of(indices)
-
-    def _room_ahead_for(self, items: Set[int]) -> bool:
-        """Whether a batch using ``items`` keeps the items in flight within ``max_bytes_ahead``."""
-        return (self.generated == self.delivered
-                or self._items_ahead.bytes_with(items) <= self.config.max_bytes_ahead)
-
-    def _items_of(self, indices) -> Set[int]:
-        """The items of the examples ``indices`` (a batch's, or a columnar batch's units')."""
-        return set(self.config.item_of[numpy.asarray(indices)].tolist())
 
     def _new_batch(self, indices, first_access) -> _Batch:
         if not self.config.columnar:
@@ -972,7 +922,7 @@ class Scheduler:
         else:
             item_of = self.config.item_of
             items = rows if item_of is None else item_of[rows]
-            keys = epochs * (len(self._known_local) + 1) + items
+            keys = epochs * (self._window.n_items + 1) + items
         return _UnitBatch(next(self._ids), rows, self._state, first_access,
                           keys)
 
@@ -992,24 +942,21 @@ class Scheduler:
         """Decides how one planned access gets its data."""
         index = int(batch.indices[position])
         access = batch.access(position)
-        if not self.config.staging or (self.cache is not None and self.cache.holds(
-                index, self._epoch_of(access))):
+        epoch = self._epoch_of(access)
+        if not self.config.staging or (self.cache is not None
+                                       and self.cache.holds(index, epoch)):
             self._set_ready(batch, position, local=False, counted=False)
             return
         item = self._item(index)
-        known = self._known_local[item]
-        epoch = self._epoch_of(access)
-        if known >= 0 and (known == epoch
-                           or not self.config.revalidate_each_epoch):
+        if self._window.is_local(item, epoch):
             if self.config.limited:
                 self._hold(batch, position, item)
             else:
                 self._set_ready(batch, position, local=True)
             return
-        copy = self._copying.get(item)
+        copy = self._window.copies.get(item)
         if copy is None:
-            copy = self._copying[item] = _CopyState(next(self._ids), access)
-            self._copy_items[copy.copy_id] = item
+            copy = self._window.start_copy(next(self._ids), item, access)
             self._emit(Copy(copy.copy_id, item, index, access))
         copy.waiters.append((batch.id, position))
         batch.status[position] = Status.COPYING
@@ -1034,10 +981,10 @@ class Scheduler:
             batch.waiting -= 1
         batch.status[position] = Status.STAGED if local else Status.SOURCE
         (batch.ready_local if local else batch.ready_source).append(position)
-        self._reads_only_local = self._reads_only_local and local
+        if not local:
+            self._window.reads_source()
         if counted:
-            self.counts['examples_staged' if local else 'examples_not_staged'
-                        ] += batch.weight(position)
+            self.counts.planned(batch.weight(position), local)
 
     def _cancel_head_copies(self):
         """With a capacity limit, the next batch to deliver does not wait for unstarted copies.
@@ -1051,7 +998,8 @@ class Scheduler:
                 or head.head_copies_cancelled):
             return
         head.head_copies_cancelled = True
-        copy_ids = {self._copying[self._item(int(head.indices[position]))].copy_id
+        copies = self._window.copies
+        copy_ids = {copies[self._item(int(head.indices[position]))].copy_id
                     for position, status in enumerate(head.status)
                     if status is Status.COPYING}
         self._emit(CancelCopies(tuple(sorted(copy_ids))))
@@ -1059,7 +1007,7 @@ class Scheduler:
     def _dispatch(self):
         """Stage 3 for the batches in the decode window."""
         for offset, entry in enumerate(self._in_flight):
-            if offset == self._decode_window or not isinstance(entry, _Batch):
+            if offset == self._loads.decode_window or not isinstance(entry, _Batch):
                 return
             if entry.error is None:
                 self._dispatch_batch(entry)
@@ -1079,7 +1027,12 @@ class Scheduler:
         for position in batch.ready_source:  # slow reads: one per task
             self._load(batch, (position,))
         batch.ready_source = []
-        self._dispatch_local(batch)
+        tasks = self._loads.local_tasks(batch.ready_local, batch.size,
+                                        batch.waiting)
+        if tasks:
+            batch.ready_local = []
+        for task in tasks:
+            self._load(batch, task)
 
     def _dispatch_columns(self, batch):
         """A columnar batch is one task, sent once every unit is ready."""
@@ -1091,54 +1044,26 @@ class Scheduler:
         for unit in units:
             batch.status[unit] = Status.LOADING
         batch.buffer = self._buffers.acquire(self._emit)
-        task_id = next(self._ids)
-        self._tasks[task_id] = (batch.id, tuple(units))
+        task_id = self._loads.start(batch.id, tuple(units))
         batch.outstanding += 1
         batch.dispatched = True
         self._emit(LoadColumns(task_id, batch.id, batch.rows,
                                batch.local[batch.unit_of_row], batch.buffer))
 
-    def _dispatch_local(self, batch):
-        """Examples read locally go several per task, one task per worker.
-
-        While the loader processes have free task slots, everything ready
-        goes at once (the workers would idle otherwise); while they are
-        busy, ready examples gather until a task is worth a worker's share
-        of the batch.  With ``maxtasksperchild`` a task is one example, so
-        that limit keeps counting examples.
-        """
-        config = self.config
-        ready = batch.ready_local
-        if not ready:
-            return
-        share = -(-batch.size // config.n_processes)
-        if config.maxtasksperchild is not None:
-            size = 1
-        elif (len(self._tasks) < config.task_slots or len(ready) >= share
-              or batch.waiting == 0):
-            size = max(1, min(share, -(-len(ready) // config.n_processes)))
-        else:
-            return
-        for start in range(0, len(ready), size):
-            self._load(batch, tuple(ready[start:start + size]))
-        batch.ready_local = []
-
     def _load(self, batch, positions):
-        task_id = next(self._ids)
+        task_id = self._loads.start(batch.id, positions)
         entries = []
         for position in positions:
             entries.append((position, int(batch.indices[position]),
                             batch.status[position] is Status.STAGED))
             batch.status[position] = Status.LOADING
-        self._tasks[task_id] = (batch.id, positions)
         batch.outstanding += 1
         batch.dispatched = True
         self._emit(Load(task_id, batch.id, tuple(entries), batch.buffer))
 
     def _take_from_cache(self, batch, position) -> bool:
         index = int(batch.indices[position])
-        access = batch.access(position)
-        epoch = self._epoch_of(access)
+        epoch = self._epoch_of(batch.access(position))
         if epoch > self._cache_epoch:  # what earlier epochs left is useless
             self._cache_epoch = epoch
             self.cache.forget_before(epoch)
@@ -1148,8 +1073,7 @@ class Scheduler:
         batch.status[position] = Status.CACHED
         batch.results[position] = example
         batch.done += 1
-        self.counts['examples_from_cache'] += 1
-        self.by_epoch[epoch]['examples_from_cache'] += 1
+        self.counts.from_cache(epoch)
         self._emit_used(batch, position)
         return True
 
@@ -1165,48 +1089,42 @@ class Scheduler:
             return ''
         head = self._in_flight[0]
         outcome = 'more'
-        if isinstance(head, _Marker):
-            self._emit(Deliver(head.kind, self._generation, state=head.state,
-                               error=head.error))
+        if isinstance(head, Deliver):  # the end of data, or stage 1's failure
+            self._emit(head)
         elif not head.complete:
             return ''
         elif head.error is not None:
-            self._emit(Deliver('failure', self._generation, error=head.error))
+            self._emit(DeliverFailure(self._generation, head.error))
             self._discard(head)
         else:
-            hand_over = head.buffer is not None and self._buffers.available()
-            columnar = isinstance(head, _UnitBatch)
-            action = Deliver('batch', self._generation, state=head.state,
-                             examples=[head.columns] if columnar else head.results,
-                             buffer=head.buffer, hand_over=hand_over,
-                             cache_wants=self._cache_wants(head),
-                             measure=self._measure_next, columnar=columnar)
-            self._emit(action)
-            if action.cache_wants or action.measure:
+            if self._deliver_batch(head):
                 outcome = 'answer'
-            self._measure_next = False
-            head.results = None
-            if hand_over:
-                head.buffer = None  # the consumer's until BufferReleased
             self._discard(head)
-        if isinstance(head, _Batch) and head.items is not None:
-            self._items_ahead.remove(head.items)
+        self._window.delivered(head.items if isinstance(head, _Batch) else None)
         self._in_flight.popleft()
         self.delivered += 1
-        self._delivered_ever += 1
-        self._end_slow_start_if_idle()
         return outcome
 
-    def _end_slow_start_if_idle(self):
-        """Opens the copy window wholly once stage 2 is idle after a delivery,
-        or after a copy while every load reads local copies.
-
-        Called when a copy ends or a batch is delivered, not on a reset
-        (which empties stage 2 too, at a position where nothing is staged).
-        """
-        if not self._copying and (self._delivered_ever
-                                  or self._reads_only_local):
-            self._slow_start_over = True
+    def _deliver_batch(self, batch) -> bool:
+        """Emits the delivery of a loaded batch; returns whether it expects an answer."""
+        hand_over = batch.buffer is not None and self._buffers.available()
+        if isinstance(batch, _UnitBatch):
+            action = DeliverColumns(self._generation, batch.state, batch.columns,
+                                    batch.buffer, hand_over,
+                                    measure=self._measure_next)
+            answer = action.measure
+        else:
+            action = DeliverExamples(self._generation, batch.state, batch.results,
+                                     batch.buffer, hand_over,
+                                     cache_wants=self._cache_wants(batch),
+                                     measure=self._measure_next)
+            answer = action.measure or bool(action.cache_wants)
+        self._emit(action)
+        self._measure_next = False
+        batch.results = None
+        if hand_over:
+            batch.buffer = None  # the consumer's until BufferReleased
+        return answer
 
     def _cache_wants(self, batch) -> Tuple[Tuple[int, int, int], ...]:
         if self.cache is None:
@@ -1244,21 +1162,15 @@ class Scheduler:
     def _epoch_of(self, access: int) -> int:
         return access // self.config.dataset_length
 
-    def _count_load(self, batch, position, result):
-        epoch = self._epoch_of(batch.access(position))
-        counts = self.by_epoch[epoch]
-        weight = batch.weight(position)
-        if result.read_from is ReadFrom.LOCAL:
-            self.counts['examples_from_local'] += weight
-            counts['examples_from_local'] += weight
-        else:
-            self._reads_only_local = False
-            self.counts['examples_from_source'] += weight
-            counts['examples_from_source'] += weight
-            counts['bytes_from_source'] += result.source_bytes
-        if result.read_from is ReadFrom.FALLBACK:
-            self.counts['examples_fallback'] += weight
-            self._known_local[self._item(int(batch.indices[position]))] = -1
+    def _count_load(self, batch, position, read_from: ReadFrom,
+                    source_bytes: int):
+        """Counts a load stage 3 answered; a local copy that was not there is forgotten."""
+        self.counts.loaded(self._epoch_of(batch.access(position)),
+                           batch.weight(position), read_from, source_bytes)
+        if read_from is not ReadFrom.LOCAL:
+            self._window.reads_source()
+        if read_from is ReadFrom.FALLBACK:
+            self._window.forget(self._item(int(batch.indices[position])))
         self._emit_used(batch, position)
 
     def _discard(self, batch):

@@ -34,12 +34,11 @@ from typing import Any, Callable, Optional
 import numpy
 
 from chainer_prefetch.iterators import _worker_pool
+from chainer_prefetch.iterators._read_from import ReadFrom
 from chainer_prefetch.staging import open_watch
 from chainer_prefetch.staging.open_watch import OpenCheck
 from chainer_prefetch.staging.sources import as_source
 
-#: Codes of where an example was read (see ``_scheduler.ReadFrom``).
-LOCAL, SOURCE, FALLBACK = 'local', 'source', 'fallback'
 #: Arrays start at multiples of this in a shared buffer.
 _ALIGN = 64
 
@@ -92,9 +91,10 @@ class Loader:
 
         Returns:
             One ``(read_from, example, source_bytes, unfit_bytes, finding)``
-            per entry (``unfit_bytes``: the example's size if its arrays did
-            not fit its region, else 0; ``finding``: what its opens showed,
-            see :meth:`OpenCheck.check`), or, from the first example that
+            per entry (``read_from``: a :class:`ReadFrom`; ``unfit_bytes``:
+            the example's size if its arrays did not fit its region, else
+            0; ``finding``: what its opens showed, see
+            :meth:`OpenCheck.check`), or, from the first example that
             fails, ``(None, exception, traceback_text)`` and nothing after
             it.
         """
@@ -113,7 +113,8 @@ class Loader:
                 example, unfit = pack(example, buffer, start,
                                       start + example_bytes)
             results.append((read_from, example,
-                            0 if read_from == LOCAL else self.source_bytes([index]),
+                            0 if read_from is ReadFrom.LOCAL
+                            else self.source_bytes([index]),
                             unfit, finding))
         return results
 
@@ -128,22 +129,22 @@ class Loader:
         with open_watch.watching(check.redirect(expected, read_local)) \
                 as opened:
             read_from, example = self._read(index, read_local)
-        read_source, finding = check.check(expected, read_from == LOCAL,
+        read_source, finding = check.check(expected, read_from is ReadFrom.LOCAL,
                                            opened)
-        return SOURCE if read_source else read_from, example, finding
+        return ReadFrom.SOURCE if read_source else read_from, example, finding
 
     def _read(self, index, read_local):
         """``(read_from, example)``: the located view for ``read_local``,
         the source after a vanished copy, else the original."""
         if read_local:
             try:
-                return LOCAL, self.located_dataset[index]
+                return ReadFrom.LOCAL, self.located_dataset[index]
             except OSError as error:
                 if not self.about_local_file(error):
                     raise
                 open_watch.stop_redirecting()
-                return FALLBACK, self.original_dataset[index]
-        return SOURCE, self.original_dataset[index]
+                return ReadFrom.FALLBACK, self.original_dataset[index]
+        return ReadFrom.SOURCE, self.original_dataset[index]
 
     def about_local_file(self, error: OSError) -> bool:
         """Whether ``error`` is about a file under the local directory."""

@@ -39,6 +39,7 @@ import multiprocessing.connection
 import multiprocessing.forkserver
 import multiprocessing.reduction
 import os
+import pickle
 import threading
 import time
 import traceback
@@ -337,6 +338,8 @@ def _start_process(args) -> multiprocessing.process.BaseProcess:
         _forked_server.fork_server_now()
     if method == 'forkserver':
         _preload_worker_code()
+        if _forked_server.serving():
+            args = _main_by_value(args)
     context = multiprocessing.get_context(method)
     process = context.Process(target=_worker_main, args=args,
                               name='chainer_prefetch-worker', daemon=True)
@@ -355,6 +358,28 @@ def _start_process(args) -> multiprocessing.process.BaseProcess:
             daemon=True)
         process.start()
     return process
+
+
+def _main_by_value(args):
+    """``args`` with the initializer's arguments pickled by value where they
+    come from the main module.
+
+    The forked fork server holds the main module as it was when it started:
+    a class defined (or defined again, as a notebook cell run twice does)
+    after that is not there, or is the old one.  ``cloudpickle`` sends such
+    classes and functions themselves; everything else goes by reference.
+    """
+    import cloudpickle
+    connection, initializer, initargs, max_tasks, owner_pid = args
+    return (connection, _load_and_call,
+            (cloudpickle.dumps((initializer, initargs)),), max_tasks,
+            owner_pid)
+
+
+def _load_and_call(pickled: bytes) -> None:
+    """In a worker: runs the initializer :func:`_main_by_value` packed."""
+    initializer, initargs = pickle.loads(pickled)
+    initializer(*initargs)
 
 
 def start_loader_server() -> None:

@@ -1,4 +1,5 @@
 """PrefetchMultiprocessIterator: MultiprocessIterator that stages files to local storage."""
+import os
 import threading
 import time
 import warnings
@@ -21,6 +22,7 @@ from chainer_prefetch.staging.dataset_files import (
     LearnedFiles,
     resolve_dataset_files,
 )
+from chainer_prefetch.staging.early_copies import EarlyCopies
 from chainer_prefetch.staging.local_directory import LocalDirectory
 from chainer_prefetch.staging.local_memory import MEMORY, LocalMemory
 from chainer_prefetch.staging.local_store import STORE_COUNTERS, LocalStore
@@ -34,182 +36,105 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
 
     A drop-in replacement for :class:`chainer.iterators.MultiprocessIterator`
     for datasets whose examples are files on slow shared storage (Lustre,
-    GPFS, NFS).  Three stages run asynchronously:
+    GPFS, NFS).  Three stages run at once:
 
     1. **order**: Chainer's ``iterator_statemachine`` over the order sampler
-       (``ShuffleOrderSampler`` by default) makes one index list per batch,
-       up to ``n_copy_ahead`` batches ahead of training;
-    2. **staging**: ``n_copy_threads`` threads copy the files of each example
-       from shared storage into ``local_dir``, skipping files already there
-       with the source's size and mtime;
-    3. **loading**: ``n_processes`` worker processes load each example as
-       soon as its files are local (reading the local copies), and return
-       arrays through shared memory as ``MultiprocessIterator`` does (or
-       ``n_processes`` threads of this process, ``loader_threads=True``).
-
-    Training starts at once; every read after the first copy of a file comes
-    from local storage.  Threads do the copying because copying waits on I/O
-    (the GIL is released), so no process is added for it: the process count
-    is that of ``MultiprocessIterator`` with the same ``n_processes``.
+       makes one index list per batch, up to ``n_copy_ahead`` batches ahead
+       of training;
+    2. **staging**: ``n_copy_threads`` threads of this process copy the files
+       of each example from shared storage into ``local_dir``, skipping
+       files already there with the source's size and modification time;
+    3. **loading**: ``n_processes`` loader processes (or threads, with
+       ``loader_threads=True``) load each example as soon as its files are
+       local, and return arrays through shared memory.
 
     Observable behaviour equals ``MultiprocessIterator``'s: ``epoch``,
     ``epoch_detail``, ``previous_epoch_detail``, ``is_new_epoch``,
     ``current_position``, ``reset()``, ``serialize()`` (snapshots are
     interchangeable with ``MultiprocessIterator``'s and ``SerialIterator``'s),
     ``StopIteration`` with ``repeat=False``, and, with the same random state,
-    the same examples in the same order.  One difference in timing: the
-    order of epoch ``e + 1`` is drawn when epoch ``e`` starts (with the
-    arguments Chainer would pass at its end), and saved by ``serialize()``
-    as ``next_order``, so a resumed run continues with the same orders.
-    With an order sampler of its own ``RandomState`` nothing else changes;
-    one that shares NumPy's global random state with other code sees that
-    state one draw ahead.
+    the same examples in the same order.  The order of epoch ``e + 1`` is
+    drawn when epoch ``e`` starts (with the arguments Chainer would pass at
+    its end) and saved by ``serialize()`` as ``next_order``; an order
+    sampler that shares NumPy's global random state with other code sees
+    that state one draw ahead.
 
-    Which files an example reads is found through Chainer's dataset wrappers,
-    in a dataset's attributes (a list of paths, of ``(path, label)`` pairs,
-    ...: :mod:`chainer_prefetch.staging.discovery`), or from a two-method
-    protocol: see :mod:`chainer_prefetch.staging.dataset_files`.  The
-    loaders watch what each example opens and redirect its opens of staged
-    files to the copies (:mod:`chainer_prefetch.staging.open_watch`);
-    what cannot be staged is reported once with a
-    :class:`~chainer_prefetch.StagingWarning` (``docs/staging.rst``).  A
+    Which files an example reads is found through Chainer's dataset
+    wrappers, in the dataset's attributes, or from the dataset's
+    ``example_files``/``with_file_locations`` protocol
+    (:mod:`chainer_prefetch.staging.dataset_files`); what cannot be staged is
+    reported once with a :class:`~chainer_prefetch.StagingWarning`.  A
     dataset that opens no files, or ``local_dir=None``, makes this an
     ordinary multiprocess iterator.
 
-    Failures:
+    An example that fails to load raises from ``next()`` an exception of the
+    dataset's own type that is also a
+    :class:`~chainer_prefetch.ExampleLoadError` (a killed loader process:
+    :class:`~chainer_prefetch.WorkerDiedError`), until ``reset()``.  A local
+    directory that is full or not writable gives a ``StagingWarning`` once,
+    and training continues from shared storage.
 
-    * A source file that cannot be read, or an exception in ``get_example``,
-      raises from ``next()`` an exception of the dataset's own type (so
-      ``except FileNotFoundError`` works as with ``MultiprocessIterator``)
-      that is also a :class:`~chainer_prefetch.ExampleLoadError`, whose
-      message names the index and the files and whose cause carries the
-      loader process's traceback.  The iterator then keeps raising it until
-      ``reset()``.
-    * A local directory that is full or not writable: a ``UserWarning`` once,
-      and training continues from shared storage; no partial copy is ever
-      read.
-    * A worker process killed by the system:
-      :class:`~chainer_prefetch.errors.WorkerDiedError` (an
-      ``ExampleLoadError``) saying so.
+    ``docs/options.rst`` has every option with its default and when to
+    change it, ``docs/stats.rst`` every field of :attr:`stats`.
 
     Args:
         dataset (~chainer.dataset.Dataset): Dataset to iterate.
         batch_size (int): Number of examples within each batch.
-        repeat (bool): If ``True``, it infinitely loops over the dataset.
-            Otherwise, it stops iteration at the end of the first epoch.
-        shuffle (bool): If ``True``, the order of examples is shuffled at the
-            beginning of each epoch; if ``False``, examples come in index
-            order.  ``None`` with no ``order_sampler`` shuffles.
-        n_processes (int): Number of worker processes (stage 3).  The number
-            of CPUs by default.
-        n_prefetch (int): Number of finished batches kept ready.
-        shared_mem (int): Bytes of shared memory per example.  ``None``
-            measures the first batch (which then travels by pickling); 0
-            pickles every batch.  Each batch in flight gets a buffer of
-            ``batch_size`` examples' worth, allocated when first needed (at
-            most the batches loading at once, 2 or ``2 * n_processes`` for
-            columnar batches, plus ``n_prefetch`` plus 2), as anonymous
-            memory (not in ``/dev/shm``); if it cannot be, a warning says so
-            and examples travel by pickling.
+        repeat (bool): Loop over the dataset forever; otherwise stop at the
+            end of the first epoch.
+        shuffle (bool): Shuffle the order every epoch (``True``), keep index
+            order (``False``); ``None`` with no ``order_sampler`` shuffles.
+        n_processes (int): Loader processes (stage 3); the number of CPUs
+            by default.
+        n_prefetch (int): Finished batches kept ready.
+        shared_mem (int): Bytes of shared memory per example (per row for
+            columnar batches); ``None`` measures the first batch, 0 pickles
+            every batch.
         order_sampler (callable): ``(current_order, current_position) ->
             next_order``; cannot be combined with ``shuffle``.
-        dataset_timeout (float): A :class:`TimeoutWarning` is issued when
-            ``next()`` waits longer than this (seconds); ``None`` disables it.
-        maxtasksperchild (int): Examples a worker process loads before it is
-            replaced by a fresh one.  A worker is never forked from a process
-            that runs other threads: replacements (and workers started while
-            other threads run) start from ``forkserver`` when the default
-            start method is ``fork``.
-        local_dir (str): Node-local directory for the copies (e.g. on the
-            node's SSD).  Created with mode 0700 when missing; may be shared
-            by several iterators and processes; ``~`` is expanded.  Must not
-            overlap the directory of the dataset's files (``ValueError``).
-            ``None`` disables staging.
-            ``':memory:'`` keeps the local forms in this process's memory
-            instead of files, for loader threads (``loader_threads=True``)
-            reading Parquet row groups (``ParquetDataset``): no write of
-            each decoded row group to a local file.  ``local_capacity`` is
-            then required and bounds that memory (a loader thread still
-            reading an evicted row group keeps it until it moves on).
-        n_copy_threads (int): Threads copying files (stage 2).  Each waits
-            on one file's latency at a time, so more threads hide more
-            latency; 16 kept the emulated Lustre-like storage of
-            ``python -m chainer_prefetch_bench.minibatch.bench`` ahead of 2 loader processes
-            (12 and 16 performed alike, 8 did not).  Parquet row groups
-            are copied one at a time on a thread of their own, in the
-            order needed (each reads in parallel pieces already), while a
-            second thread reads the next two ahead.
+        dataset_timeout (float): Seconds ``next()`` may wait before a
+            :class:`TimeoutWarning`; ``None`` disables it.
+        maxtasksperchild (int): Examples a loader process loads before a
+            fresh one replaces it.
+        local_dir (str): Node-local directory for the copies (created with
+            mode 0700; ``~`` is expanded), shared safely by several
+            iterators and processes; must not overlap the dataset's
+            directory.  ``None`` disables staging; ``':memory:'`` keeps
+            Parquet row groups decoded in this process's memory (needs
+            ``loader_threads`` and ``local_capacity``).
+        n_copy_threads (int): Threads copying files (stage 2); more threads
+            hide more of the storage's latency per file.
         n_copy_ahead (int): How many batches stages 1-2 may run ahead of
-            training.  Bounds memory and the files staged but not yet used.
-            At start-up the window opens one batch per batch delivered, and
-            wholly once no copy is in flight (Parquet row groups, copied one
-            at a time in order, open it wholly at once).  For them, at
-            least the rows of two row groups (in batches): the next one is
-            then decoded while the current one is read, and the one after
-            it read ahead meanwhile.
-        local_capacity (int): Limit in bytes of the copies under
-            ``local_dir``, for nodes whose local storage is smaller than the
-            dataset.  The limit is per directory and enforced jointly by
-            every process using it (a ledger file under ``flock``; see
-            :mod:`chainer_prefetch.staging.capacity`): give every iterator
-            sharing the directory the same value.  It applies to every kind
-            of source, Parquet row groups included.  Copies that would
-            exceed the limit evict others by ``eviction_policy`` or are left
-            on shared storage, which stage 3 then reads directly (a file
-            larger than the whole limit always is); stage 3 also reads the
-            source, instead of waiting, for an example whose copy has not
-            started when its batch is next.  For items shared by many
-            examples (Parquet row groups), stages 1-2 run no further ahead
-            than the items this iterator's limit holds (their estimated
-            sizes together), even where ``n_copy_ahead`` reaches further:
-            the store keeps an item from its copy until its batches have
-            loaded it, so an item copied beyond that would find no room and
-            be read from shared storage by every loader.  (Iterators
-            sharing one directory share its room; each counts its own
-            items.)  With ``local_dir=':memory:'``
-            the limit is this iterator's alone (the row groups it keeps in
-            this process; a copy of the iterator has a budget of its own).
-        next_epoch_cache_examples (int): Enables the next-epoch cache: while
-            an epoch runs, keep in memory (in this process) the examples
-            that the next epoch needs first, at most this many, so that the
-            next epoch serves them without storage reads or decoding.  The
-            order of examples is unchanged.  See
-            :mod:`chainer_prefetch.policy.next_epoch_cache`.
-        next_epoch_cache_bytes (int): Enables the cache with a bound in
-            bytes of example arrays (both bounds apply when both are given).
-        eviction_policy (str): With ``local_capacity``: ``'belady'``
-            (default: drop the example needed farthest in the future, known
-            because the next epoch's order is drawn one epoch early; keep a
-            newcomer out when it is needed after everything stored),
-            ``'lru'`` (least recently used) or ``'fill_once'`` (keep the
-            first copies that fit, never evict).
-        recheck_sources (str): When a local copy is compared with its
-            source again (size and modification time: one ``stat`` of the
-            source on shared storage): ``'each_epoch'`` (default; a source
-            changed during training is copied again in the next epoch) or
-            ``'never'`` (checked when first copied in this run, then
-            trusted: no request to shared storage in later epochs).
-        columnar (bool): Load whole batches as columns (see
-            :mod:`chainer_prefetch.columnar`): each batch is one task of a
-            loader process, which calls the dataset's ``get_columns(indices)``
-            and writes the columns into shared memory; ``next()`` returns a
-            :class:`~chainer_prefetch.columnar.ColumnarBatch` (a sequence of
-            examples; :data:`~chainer_prefetch.columnar.concat_columns` is
-            its converter).  ``None`` (default): when the dataset has
-            ``get_columns``.  ``shared_mem`` is then bytes per row; with
-            ``maxtasksperchild`` a task is a batch.  Cannot be combined with
-            the next-epoch cache.
-        loader_threads (bool): Run stage 3 as ``n_processes`` threads of
-            this process instead of worker processes.  For datasets whose
-            loading runs mostly outside the GIL, such as columnar batches of
-            a :class:`~chainer_prefetch.datasets.ParquetDataset` (Arrow and
-            NumPy copies): no answer is pickled and no batch is copied
-            through shared memory.  Work that holds the GIL (a per-row
-            ``transform`` in Python) does not run in parallel on threads.
-            Examples are the dataset's own objects, as with
-            ``MultithreadIterator``.  Cannot be combined with
-            ``maxtasksperchild`` or ``shared_mem``; the dataset must allow
-            calls from several threads at once.
+            training.
+        local_capacity (int): Most bytes of copies under ``local_dir``,
+            enforced jointly by every process using the directory (give
+            them the same value); with ``':memory:'``, this iterator's
+            memory.
+        eviction_policy (str): With ``local_capacity``: ``'belady'`` (drop
+            the copy needed farthest in the future), ``'lru'`` or
+            ``'fill_once'``.
+        next_epoch_cache_examples (int): Keep in memory at most this many of
+            the examples the next epoch needs first
+            (:mod:`chainer_prefetch.policy.next_epoch_cache`).
+        next_epoch_cache_bytes (int): The same bound in bytes of example
+            arrays (both bounds apply when both are given).
+        recheck_sources (str): ``'each_epoch'`` compares every copy with its
+            source (one ``stat``) once per epoch; ``'never'`` only when the
+            copy is made in this run.
+        columnar (bool): Load whole batches as columns with the dataset's
+            ``get_columns(indices)``; ``next()`` returns a
+            :class:`~chainer_prefetch.columnar.ColumnarBatch`.  ``None``:
+            when the dataset has ``get_columns``.  Not with the next-epoch
+            cache.
+        loader_threads (bool): Run stage 3 as threads of this process
+            instead of processes, for loading that runs mostly outside the
+            GIL (columnar batches of a
+            :class:`~chainer_prefetch.datasets.ParquetDataset`).  Not with
+            ``maxtasksperchild`` or ``shared_mem``.
+
+    Raises:
+        ValueError: An option is out of range, two options do not combine,
+            or ``local_dir`` overlaps the dataset's directory.
 
     Attributes:
         settings (IteratorSettings): The options, validated; each is also
@@ -224,6 +149,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
     _executor = None  # finalize() may run on a half-constructed object
     _final_counts = ({}, {}, None)  # the pipeline's counters at finalize()
     _learned = None  # index -> files the loaders saw it open (to be staged)
+    _early_copies = None  # copies of those files made while they are learned
     _store = None
 
     def __init__(self, dataset, batch_size, repeat=True, shuffle=None,
@@ -263,6 +189,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         self._item_of = self._item_bytes = None
         self._open_check = None
         self._learned = None
+        self._early_copies = None
+        self._learning_epoch = None
         self._retired_counts = ({}, {}, None)
         self._staging_warnings = list(_settings.local_dir_warnings(
             settings.local_dir))
@@ -276,6 +204,9 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             self._open_check = OpenCheck(None)
             if settings.local_dir != MEMORY:
                 self._learned = {}
+                if settings.local_capacity is None:
+                    self._early_copies = EarlyCopies(settings.local_dir,
+                                                     settings.n_copy_threads)
             return
         item_of = files.item_of()
         if item_of is not None:
@@ -327,6 +258,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         ``get_example``).  The pipeline restarts from the current position
         with loaders that redirect those opens to the copies."""
         learned, self._learned = self._learned, None
+        if self._early_copies is not None:
+            self._early_copies.close()
         files = LearnedFiles(self.settings.dataset, learned)
         paths = sorted({p for found in learned.values() for p in found})
         root = checks.source_root(paths)
@@ -381,6 +314,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             learned = self._learned
             if learned is not None:
                 learned[index] = path
+                self._copy_early(path)
             path = path[0]
         if kind in self._warned_findings:
             return
@@ -388,6 +322,25 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         self._warn_staging(_FINDINGS[kind].format(
             dataset=type(self.settings.dataset).__name__, index=index,
             path=path), stacklevel=2)
+
+    def _copy_early(self, paths) -> None:
+        """Starts copying files an example of the learning epoch opened,
+        unless one lies in the local directory's tree or holds it (the
+        epoch's end refuses such files with a warning)."""
+        copies = self._early_copies
+        if copies is None:
+            return
+        if self._learning_epoch is None:
+            self._learning_epoch = self.epoch
+        try:
+            for path in paths:
+                checks.check_apart(self.settings.local_dir,
+                                   os.path.dirname(path))
+        except ValueError:
+            self._early_copies = None
+            copies.close(timeout=0)
+            return
+        copies.submit(paths)
 
     def _copied_in_order(self) -> bool:
         """Whether stage 2 copies the first example's files one at a time, in order.
@@ -484,41 +437,32 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
 
     @property
     def stats(self):
-        """What the stages did so far, as a dict.
+        """What the stages did so far, as a dict (``docs/stats.rst`` explains each field).
 
         Stage 2 (the local store): ``files_copied``, ``bytes_copied`` (read
-        from shared storage to make local files), ``local_bytes_written``
-        (with ``local_dir=':memory:'``, the bytes of the row groups kept),
+        from shared storage to make local files), ``local_bytes_written``,
         ``files_already_local`` (hits), ``files_failed_source``,
-        ``copy_seconds`` (summed over copy threads), ``local_storage_error``
-        (why staging stopped, or ``None``); with ``local_capacity`` also
-        ``items_bypassed`` (left on shared storage by the policy),
-        ``items_too_large`` (larger than the whole limit),
-        ``files_evicted``, ``bytes_evicted`` and ``local_bytes_used`` (the
-        directory's ledger, all processes; with ``':memory:'`` the bytes kept
-        now, 0 after ``finalize()``).
+        ``files_lock_timeouts``, ``copy_seconds`` (summed over copy
+        threads), ``local_storage_error`` (why staging stopped, or
+        ``None``); with ``local_capacity`` also ``items_bypassed``,
+        ``items_too_large``, ``files_evicted``, ``bytes_evicted`` and
+        ``local_bytes_used`` (the directory's ledger, all processes).
 
-        Per access (a batch position): ``examples_staged`` /
-        ``examples_not_staged`` (planned to read local copies or the
-        source), and what stage 3 did: ``examples_from_local``,
-        ``examples_from_source``, ``examples_from_cache`` (the next-epoch
-        cache), ``examples_fallback`` (the local copy had vanished, so the
-        source was read; included in ``examples_from_source``).  These
-        include batches prefetched but not consumed yet or dropped by a
-        reset; later epochs count again.
+        Per access (a batch position, batches prefetched included):
+        ``examples_staged`` / ``examples_not_staged`` (planned to read local
+        copies or the source), and what stage 3 did:
+        ``examples_from_local``, ``examples_from_source``,
+        ``examples_from_cache`` (the next-epoch cache) and
+        ``examples_fallback`` (the local copy had vanished; included in
+        ``examples_from_source``).
 
         ``batches``, ``consumer_wait_seconds`` (time ``next()`` waited),
-        ``first_batch_seconds`` (the first ``next()`` call, start-up
-        included).  ``next_epoch_cache``: ``examples_cached``,
-        ``examples_replaced`` (by ones earlier in the next order), ``hits``,
-        ``bytes_cached``, ``held_bytes``, or ``None`` without the cache.
-        The counters keep their values after ``finalize()`` (which
-        ``trainer.run()`` calls at its end).
-        ``by_epoch`` maps each epoch to what its accesses cost:
-        ``examples_from_local``, ``examples_from_source``,
-        ``examples_from_cache``, and the bytes they read from shared
-        storage: ``bytes_copied`` (stage 2) and ``bytes_from_source``
-        (stage 3; for rows of a row group, their share of its bytes).
+        ``first_batch_seconds``, ``staging_warnings`` (the messages given),
+        ``next_epoch_cache`` (its counters, or ``None`` without it) and
+        ``by_epoch`` (per epoch: the examples' sources and the bytes read
+        from shared storage by stage 2, ``bytes_copied``, and by stage 3,
+        ``bytes_from_source``).  The counters keep their values after
+        ``finalize()``.
         """
         values = dict.fromkeys(_STORE_DEFAULTS, 0)
         values['local_storage_error'] = None
@@ -530,6 +474,19 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         counts, by_epoch, cache = _added(self._retired_counts, (
             self._final_counts if self._executor is None
             else self._executor.stats()))
+        if self._early_copies is not None:
+            early = self._early_copies.counters.snapshot()
+            for name, value in early.items():
+                values[name] += value
+            if self._learning_epoch is not None:
+                # What the learning epoch's loads opened was unknown to
+                # the pipeline, which could not count its bytes.
+                epoch = by_epoch.setdefault(self._learning_epoch, {})
+                for name, value in (
+                        ('bytes_copied', early['bytes_copied']),
+                        ('bytes_from_source',
+                         self._early_copies.bytes_opened())):
+                    epoch[name] = epoch.get(name, 0) + value
         for name in _ACCESS_COUNTS:
             values[name] = counts.get(name, 0)
         values['by_epoch'] = {epoch: {name: epoch_counts.get(name, 0)
@@ -556,6 +513,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             self._executor = None
         if self._store is not None:
             self._store.close()
+        if self._early_copies is not None:
+            self._early_copies.close()
 
     def __copy__(self):
         other = PrefetchMultiprocessIterator.__new__(PrefetchMultiprocessIterator)
@@ -703,8 +662,9 @@ _FINDINGS = {
     open_watch.UNNAMED: (
         '{dataset} names no files this iterator can find, but example '
         '{index} opened {path}: the files its examples open are learned '
-        'from this epoch, which reads them from shared storage, and staged '
-        'from the next.  To stage from the start, keep the paths in an '
+        'in this epoch, which reads them from shared storage (and copies '
+        'them meanwhile, without local_capacity); the next epochs read the '
+        'copies.  To stage from the start, keep the paths in an '
         'attribute with one entry per example, or give the dataset '
         'example_files and with_file_locations (docs/staging.rst)'),
 }

@@ -10,21 +10,21 @@
 * ``python -m chainer_prefetch.resilience.launcher``: checkpoint/restart
   (relaunches a failed ``mpirun`` job, which resumes from its snapshot).
 
-See ``docs/fault_tolerance.rst``.  Needs ``mpi4py`` and Open MPI:
-``pip install 'chainer_prefetch[mpi]'``.
+See ``docs/fault_tolerance.rst``.  The modules that talk to other ranks
+(``communicator``, ``recovery``, ``spares``, ``training``, and
+:func:`check_ulfm` when called) need ``mpi4py`` and Open MPI, ``pip install
+'chainer_prefetch[mpi]'``, and raise an ``ImportError`` that says so
+without them; the rest imports without mpi4py.
 """
-from chainer_prefetch._extras import require_extra
-
-require_extra('mpi', 'chainer_prefetch.resilience', ['mpi4py'])
-
-from chainer_prefetch.resilience.errors import (  # noqa: E402
+from chainer_prefetch.policy.lr_rules import LR_RULES
+from chainer_prefetch.resilience.errors import (
     ProcessFailure,
     RecoveryFailed,
+    ResilienceError,
     UlfmUnavailable,
 )
-from chainer_prefetch.resilience.policy import LR_RULES  # noqa: E402
-from chainer_prefetch.resilience.ulfm import check_ulfm, ulfm_status  # noqa: E402
-from chainer_prefetch.resilience.watchdog import WatchdogSettings  # noqa: E402
+from chainer_prefetch.resilience.ulfm import check_ulfm, ulfm_status
+from chainer_prefetch.resilience.watchdog import WatchdogSettings
 
-__all__ = ['LR_RULES', 'ProcessFailure', 'RecoveryFailed', 'UlfmUnavailable',
-           'WatchdogSettings', 'check_ulfm', 'ulfm_status']
+__all__ = ['LR_RULES', 'ProcessFailure', 'RecoveryFailed', 'ResilienceError',
+           'UlfmUnavailable', 'WatchdogSettings', 'check_ulfm', 'ulfm_status']

@@ -19,8 +19,10 @@ keep working.
 import atexit
 from typing import Any, Callable, List, Optional, Sequence, Union
 
-from chainermn.communicators.naive_communicator import NaiveCommunicator
-from mpi4py import MPI
+# mpi4py first, for its ImportError that names the extra (ChainerMN's
+# communicator imports it too).
+from chainer_prefetch.resilience._mpi import MPI  # isort: skip
+from chainermn.communicators.naive_communicator import NaiveCommunicator  # isort: skip
 
 from chainer_prefetch.resilience.errors import ProcessFailure
 from chainer_prefetch.resilience.watchdog import Watchdog, WatchdogSettings

@@ -1,8 +1,18 @@
 """Exceptions of the fault-tolerance layer."""
 from typing import Sequence
 
+from chainer_prefetch.errors import ChainerPrefetchError
 
-class ProcessFailure(RuntimeError):
+
+class ResilienceError(ChainerPrefetchError, RuntimeError):
+    """Base class of the errors of :mod:`chainer_prefetch.resilience`.
+
+    Also a ``RuntimeError``, as each of them was before it had the package's
+    base.
+    """
+
+
+class ProcessFailure(ResilienceError):
     """A peer process failed; the communicator has been revoked.
 
     Every surviving rank raises this exception from the collective it was in
@@ -30,9 +40,9 @@ class ProcessFailure(RuntimeError):
         super().__init__(message)
 
 
-class UlfmUnavailable(RuntimeError):
+class UlfmUnavailable(ResilienceError):
     """ULFM (MPI fault tolerance) is not active in this MPI job."""
 
 
-class RecoveryFailed(RuntimeError):
+class RecoveryFailed(ResilienceError):
     """Recovery from a process failure was impossible (e.g. too few ranks)."""

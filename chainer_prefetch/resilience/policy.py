@@ -1,79 +1,20 @@
 """The pure core of fault tolerance: no MPI, no processes, no files.
 
-How the learning rate follows the number of ranks, which original ranks
-the replacement processes take, who takes which rank when warm spares are
-merged in, the order of each rank's examples in each epoch, and which
-snapshot a restart loads.  How the examples are split over the ranks, at
-any size, is :mod:`chainer_prefetch.policy.epoch_plan`'s.
+Which original ranks the replacement processes take, who takes which rank
+when warm spares are merged in, the order of each rank's examples in each
+epoch, and which snapshot a restart loads.  What elastic training uses too
+lives in :mod:`chainer_prefetch.policy`: how the examples are split over
+the ranks at any size (:mod:`~chainer_prefetch.policy.epoch_plan`) and how
+the learning rate follows their number
+(:mod:`~chainer_prefetch.policy.lr_rules`).
 """
-import math
 import os
 import re
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy
 
-from chainer_prefetch.policy.epoch_plan import (  # noqa: F401 (their home)
-    RankOrderSampler,
-    shard_bounds,
-    shard_order,
-)
-
-LrRule = Callable[[float, int, int], float]
-"""``rule(lr, old_size, new_size) -> new lr``."""
-
-
-def linear_lr(lr: float, old_size: int, new_size: int) -> float:
-    """Linear scaling: the rate is proportional to the global batch.
-
-    Args:
-        lr: Current learning rate (for ``old_size`` ranks).
-        old_size: Ranks before the change.
-        new_size: Ranks after it.
-
-    Returns:
-        ``lr * new_size / old_size``.
-    """
-    _check_sizes(old_size, new_size)
-    return lr * new_size / old_size
-
-
-def sqrt_lr(lr: float, old_size: int, new_size: int) -> float:
-    """Square-root scaling: ``lr * sqrt(new_size / old_size)``."""
-    _check_sizes(old_size, new_size)
-    return lr * math.sqrt(new_size / old_size)
-
-
-def constant_lr(lr: float, old_size: int, new_size: int) -> float:
-    """Keeps the rate whatever the number of ranks."""
-    _check_sizes(old_size, new_size)
-    return lr
-
-
-LR_RULES: Dict[str, LrRule] = {
-    'linear': linear_lr, 'sqrt': sqrt_lr, 'constant': constant_lr}
-
-
-def resolve_lr_rule(rule: Union[str, LrRule]) -> LrRule:
-    """A rule from its name (``linear``, ``sqrt``, ``constant``) or itself.
-
-    Raises:
-        ValueError: unknown name.
-    """
-    if callable(rule):
-        return rule
-    try:
-        return LR_RULES[rule]
-    except KeyError:
-        raise ValueError('unknown learning-rate rule {!r}; use one of {} or '
-                         'a callable(lr, old_size, new_size)'.format(
-                             rule, ', '.join(sorted(LR_RULES)))) from None
-
-
-def _check_sizes(old_size: int, new_size: int) -> None:
-    if old_size < 1 or new_size < 1:
-        raise ValueError('sizes must be positive, got {} -> {}'.format(
-            old_size, new_size))
+from chainer_prefetch.policy.epoch_plan import RankOrderSampler
 
 
 def failed_ranks(old_size: int, survivor_ranks: Sequence[int]) -> List[int]:

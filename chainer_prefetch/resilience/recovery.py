@@ -7,9 +7,8 @@ tells a process that one of them started it.
 """
 from typing import List, NamedTuple
 
-from mpi4py import MPI
-
 from chainer_prefetch.resilience import policy
+from chainer_prefetch.resilience._mpi import MPI
 from chainer_prefetch.resilience.communicator import FaultTolerantCommunicator
 from chainer_prefetch.resilience.errors import RecoveryFailed
 

@@ -1,6 +1,6 @@
 """Warm spares: replacement processes started ahead, merged in at a failure.
 
-Starting a replacement at a failure (``MPI_Comm_spawn``) costs 1-2 s here:
+Starting a replacement at a failure (``MPI_Comm_spawn``) takes seconds:
 PRRTE starts a Python that imports NumPy, Chainer and ChainerMN and
 initialises MPI, and the survivors wait for all of it.  A spare pays that
 before any failure:
@@ -37,9 +37,8 @@ import os
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
-from mpi4py import MPI
-
 from chainer_prefetch.resilience import policy
+from chainer_prefetch.resilience._mpi import MPI
 from chainer_prefetch.resilience.communicator import (
     GuardedComm,
     failed_ranks_of,

@@ -46,8 +46,15 @@ from chainer_prefetch.iterators.planned_iterator import (
     ShardIteratorFactory,
     serialized,
 )
-from chainer_prefetch.policy.epoch_plan import EpochPlan, held_masks, replan
-from chainer_prefetch.resilience import policy, recovery
+from chainer_prefetch.policy.epoch_plan import (
+    EpochPlan,
+    held_masks,
+    replan,
+    shard_bounds,
+    shard_order,
+)
+from chainer_prefetch.policy.lr_rules import LrRule, resolve_lr_rule
+from chainer_prefetch.resilience import recovery
 from chainer_prefetch.resilience.communicator import FaultTolerantCommunicator, revoke
 from chainer_prefetch.resilience.errors import ProcessFailure
 from chainer_prefetch.resilience.injection import EventLog
@@ -84,9 +91,9 @@ def load_optimizer_state(optimizer, state: Dict[str, Any]) -> None:
 def shard(dataset, size: int, rank: int, seed: Optional[int]):
     """``rank``'s shard of ``dataset``, as ``chainermn.scatter_dataset`` with
     ``shuffle=seed is not None`` and ``seed`` makes it."""
-    begin, end = policy.shard_bounds(len(dataset), size, rank)
+    begin, end = shard_bounds(len(dataset), size, rank)
     return chainer.datasets.SubDataset(
-        dataset, begin, end, policy.shard_order(len(dataset), seed))
+        dataset, begin, end, shard_order(len(dataset), seed))
 
 
 def train_iterator(dataset, make_iterator: ShardIteratorFactory,
@@ -151,7 +158,7 @@ class FaultTolerantTraining:
                  make_train_iterator: ShardIteratorFactory,
                  make_val_iterator: Optional[IteratorFactory] = None,
                  evaluator=None, trainer=None, seed: Optional[int] = 0,
-                 lr_rule: Union[str, policy.LrRule] = 'linear',
+                 lr_rule: Union[str, LrRule] = 'linear',
                  respawn_command: Optional[List[str]] = None,
                  spares: int = 0, pool: Optional[SparePool] = None,
                  min_size: int = 1, setup: Any = None, reports=None,
@@ -179,7 +186,7 @@ class FaultTolerantTraining:
         self.evaluator = evaluator
         self.trainer = trainer
         self.seed = seed
-        self.lr_rule = policy.resolve_lr_rule(lr_rule)
+        self.lr_rule = resolve_lr_rule(lr_rule)
         self.respawn_command = respawn_command or [sys.executable] + sys.argv
         self.min_size = min_size
         self.setup = setup

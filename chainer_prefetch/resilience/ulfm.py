@@ -52,7 +52,7 @@ def ulfm_status() -> UlfmStatus:
     Returns:
         An :class:`UlfmStatus`.
     """
-    from mpi4py import MPI
+    from chainer_prefetch.resilience._mpi import MPI
     vendor, version = MPI.get_vendor()
     path = loaded_libmpi()
     if path is None:

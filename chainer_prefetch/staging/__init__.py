@@ -8,7 +8,11 @@
 * :mod:`.local_memory`: local forms kept in the training process's memory
   instead (``local_dir=':memory:'``), with a budget of their own;
 * :mod:`.local_store`: directory + budget + eviction policy, what stage 2
-  calls.
+  calls;
+* :mod:`.copy_threads`: the threads that run the copies, and the note on
+  how one-at-a-time copies (row groups) are read ahead;
+  :mod:`.read_ahead_slots` keeps the count of that read ahead (pure);
+  :mod:`.piece_reads` reads their pieces.
 """
 from chainer_prefetch.errors import LocalStorageError, SourceFileError  # NOQA
 from chainer_prefetch.staging.dataset_files import (  # NOQA

@@ -3,10 +3,8 @@
 With loader threads (``loader_threads=True``) the loaders run in the
 training process, so a local form need not be a file: stage 2 can keep it
 in memory, where the loader threads read it.  For Parquet row groups that
-saves writing each decoded row group to a local file, which on the
-benchmark's machine costs more CPU than reading and decoding it: about 75
-ms against 57 ms for the 117 MB of one row group, written to tmpfs (the
-benchmark's ``ours-memory`` against ``ours-threads`` shows the gain).
+saves writing each decoded row group to a local file, which can cost more
+CPU than reading and decoding it.
 
 :class:`LocalMemory` stands where :class:`~.local_directory.LocalDirectory`
 stands in a :class:`~.local_store.LocalStore`: the same methods (stage,

@@ -1,7 +1,7 @@
 """Threads that read the pieces of several copies read ahead, first submitted first read.
 
 Stage 2 reads a row group ahead in parallel pieces (see
-:func:`chainer_prefetch.datasets.parquet.start_reading_column_chunks`).  When
+:func:`chainer_prefetch.datasets.byte_ranges.start_reading_column_chunks`).  When
 each row group's read starts its own threads and waits for all of them, the
 storage idles twice per row group: while the last pieces finish on fewer
 streams than it needs, and while the next file is opened and its first
@@ -70,7 +70,7 @@ class PieceReaders:
     """Threads that read pieces of files, in the order submitted.
 
     One group of threads per width (how many pieces are read at once, as
-    :func:`~chainer_prefetch.datasets.parquet.read_threads_for` chooses it
+    :func:`~chainer_prefetch.datasets.byte_ranges.read_threads_for` chooses it
     for the file's storage), started at its first piece.  :meth:`close`
     stops them all; a piece submitted after is refused.
     """

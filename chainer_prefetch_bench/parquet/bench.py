@@ -138,10 +138,7 @@ PEERS = {'ours-local': 'petastorm', 'ours-shared': 'petastorm-shared',
          'blog': 'petastorm',
          'blog-shared': 'petastorm-shared'}
 #: Ours' ``n_prefetch`` (``--prefetch``): finished batches kept ready for the
-#: training loop; 1, Chainer's default.  4 saved about 40% of a run's thread
-#: switches with loader threads, but gave 0.89x / 0.97x / 1.01x the rows/s
-#: of ``ours-memory`` at 1 / 2 / 4 workers (``results/parquet/prefetch``,
-#: medians of 5; ``docs/parquet_measurements.rst``, "Batches kept ready").
+#: training loop; 1, Chainer's default.
 PREFETCH = 1
 
 #: ``--arrow-memory``: environment of a run for Arrow's memory allocators.
@@ -149,7 +146,7 @@ PREFETCH = 1
 #: instead of handing it back to the kernel (mimalloc, the default
 #: allocator of the product's PyArrow; jemalloc, that of Petastorm's PyArrow
 #: 14; the product decodes the row groups it keeps in memory into the C
-#: library's pool, ``parquet.decode_memory_pool``).  "mimalloc" makes mimalloc
+#: library's pool, ``row_group_source.decode_memory_pool``).  "mimalloc" makes mimalloc
 #: every method's allocator, the product's decoding included (as before it
 #: chose that pool).
 ARROW_MEMORY = {
@@ -259,7 +256,7 @@ def _arrow_threads_batches(config: Dict, columns: List[str]):
 
     from chainer_prefetch.columnar import ColumnarBatch
     from chainer_prefetch.datasets.arrow_columns import StoredColumns
-    from chainer_prefetch.datasets.parquet import (
+    from chainer_prefetch.datasets.row_group_source import (
         PooledParquetFile,
         RowGroupFile,
         decode_memory_pool,
@@ -889,10 +886,10 @@ def use_read_threads(count: Optional[int], dataset_dir: str) -> int:
             default).
         dataset_dir: The folder of Parquet files the run reads.
     """
-    from chainer_prefetch.datasets import parquet
+    from chainer_prefetch.datasets import byte_ranges, find_parquet_files
     if count:
-        parquet.LOCAL_READ_THREADS = count
-    return parquet.read_threads_for(parquet.find_parquet_files(dataset_dir)[0])
+        byte_ranges.LOCAL_READ_THREADS = count
+    return byte_ranges.read_threads_for(find_parquet_files(dataset_dir)[0])
 
 
 def generated_dataset(args: argparse.Namespace) -> str:
@@ -1030,8 +1027,7 @@ def main(argv=None) -> int:
         print('note: this virtual machine hands freed memory back to its host '
               '(virtio-balloon free page reporting): memory taken afresh costs '
               'more after runs that freed a lot, so a run depends on the runs '
-              'before it (docs/parquet_measurements.rst, "Memory handed back '
-              'to the host")',
+              'before it',
               flush=True)
     files = sorted(glob.glob(os.path.join(dataset_dir, '*.parquet')))
     backends = compare_backends(files[:2] if len(files) > 2 else files)

@@ -40,7 +40,7 @@ When the batches come, from the time the training loop gets each:
 (``chainer_prefetch.columnar.TAKE_ROWS``; rows labelled ``python take``),
 and gives the ratio of their rows/s.  ``--local-read-threads 2,8`` likewise
 runs each with those threads reading a row group from a node-local file
-system (``chainer_prefetch.datasets.parquet.LOCAL_READ_THREADS``; rows
+system (``chainer_prefetch.datasets.byte_ranges.LOCAL_READ_THREADS``; rows
 labelled ``2 read threads``, ``8 read threads``); each run reports the
 threads that read its dataset (``read_threads``: where the dataset is not
 on node-local storage, ``READ_THREADS`` whatever the option).
@@ -84,8 +84,9 @@ CLOCKED = {
     'scheduler': ('chainer_prefetch.iterators._scheduler', 'Scheduler', 'step'),
     'executor': ('chainer_prefetch.iterators._executor', 'Executor', '_execute'),
     'mailbox': ('chainer_prefetch.iterators._executor', 'Mailbox', 'get'),
-    'read_ahead': ('chainer_prefetch.datasets.parquet', 'RowGroupFile', 'read_ahead'),
-    'memory_form': ('chainer_prefetch.datasets.parquet', 'RowGroupFile',
+    'read_ahead': ('chainer_prefetch.datasets.row_group_source', 'RowGroupFile',
+                   'read_ahead'),
+    'memory_form': ('chainer_prefetch.datasets.row_group_source', 'RowGroupFile',
                     'memory_form'),
 }
 #: The labels that make up ``pipeline``.

@@ -2,7 +2,7 @@
 
 ``ours-memory`` (``local_dir=':memory:'``, loader threads) keeps its row
 groups decoded in the training process, in the C library's ``malloc``
-(``parquet.decode_memory_pool``).  Its peak PSS grows with the rows read
+(``row_group_source.decode_memory_pool``).  Its peak PSS grows with the rows read
 although the row groups kept stay under ``local_capacity``.  This runs it as
 the Parquet benchmark does (same dataset, columns, order and capacity) and
 samples, inside the run's process every 0.1 s, the process's PSS split into
@@ -160,10 +160,10 @@ def run_one(config: Dict) -> Dict:
     """
     import pyarrow
 
-    from chainer_prefetch.datasets import parquet
+    from chainer_prefetch.datasets import row_group_source
     from chainer_prefetch_bench.parquet import bench
-    sampler = Sampler(_glibc(), parquet.decode_memory_pool() or pyarrow.default_memory_pool(),
-                      trim=config['way'] == 'trim')
+    sampler = Sampler(_glibc(), row_group_source.decode_memory_pool()
+                      or pyarrow.default_memory_pool(), trim=config['way'] == 'trim')
     before = resource.getrusage(resource.RUSAGE_SELF)
     with sampler:
         result = bench.run_one(config['run'])

@@ -53,12 +53,12 @@ def run_one(config: Dict) -> Dict:
     """
     import pyarrow.parquet
 
-    from chainer_prefetch.datasets import parquet
+    from chainer_prefetch.datasets import byte_ranges, row_group_source
     from chainer_prefetch_bench.parquet import bench
     from chainer_prefetch_bench.testbed.parquet_dataset import SCHEMA
     columns = [name for name in SCHEMA.names if name != 'tokens']  # as the benchmark
     if config['way'] == 'read':
-        parquet._populate = lambda *args: False  # as where the kernel refuses
+        byte_ranges._populate = lambda *args: False  # as where the kernel refuses
     read_threads = bench.use_read_threads(config.get('local_read_threads'),
                                           config['dataset'])
     files = sorted(glob.glob(os.path.join(config['dataset'], '*.parquet')))
@@ -69,7 +69,7 @@ def run_one(config: Dict) -> Dict:
     read_s = 0.0
     before, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     for path, metadata, group in staged:
-        row_group = parquet.RowGroupFile(path, group, columns, metadata)
+        row_group = row_group_source.RowGroupFile(path, group, columns, metadata)
         reading = time.perf_counter()
         ahead = row_group.read_ahead()
         read_s += time.perf_counter() - reading

@@ -1,1 +1,0 @@
-"""Fault injection: the local directory under attack and under faults."""
