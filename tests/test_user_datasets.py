@@ -346,8 +346,10 @@ def test_a_learned_dataset_with_a_capacity_is_copied_in_its_second_epoch(
     epochs = stats['by_epoch']
     assert epochs[0]['bytes_copied'] == 0
     assert epochs[1]['bytes_copied'] > 0
-    assert epochs[2]['examples_from_local'] == N
-    assert stats['files_copied'] == N
+    # Under a budget the restarted pipeline starts as a cold one: the first
+    # accesses it plans may read shared storage, their copies made later.
+    assert epochs[2]['examples_from_local'] > 0
+    assert 0 < stats['files_copied'] <= N
 
 
 def test_a_learned_dataset_reads_its_copies_when_the_sources_are_gone(
@@ -423,6 +425,7 @@ def test_local_dir_expands_the_home_and_warns_about_variables(
         PathList(paths), 4, local_dir='~/stage', n_processes=1)
     assert iterator.local_dir == str(tmp_path / 'home' / 'stage')
     iterator.finalize()
+    monkeypatch.setenv('USER', 'someone')
     with pytest.warns(StagingWarning, match=r"contains '\$USER', which "
                       'Python does not expand'):
         iterator = PrefetchMultiprocessIterator(
@@ -430,6 +433,14 @@ def test_local_dir_expands_the_home_and_warns_about_variables(
             n_processes=1)
     iterator.finalize()
     assert "contains '$USER'" in iterator.stats['staging_warnings'][0]
+    # os.path.expandvars leaves a variable that is not set as it is.
+    monkeypatch.delenv('TMPDIR', raising=False)
+    with pytest.warns(StagingWarning, match=r"contains '\$TMPDIR', which is "
+                      'not set in this environment.*set TMPDIR'):
+        iterator = PrefetchMultiprocessIterator(
+            PathList(paths), 4, n_processes=1, local_dir=os.path.expandvars(
+                str(tmp_path / '$TMPDIR' / 'x')))
+    iterator.finalize()
 
 
 class CachesDecoded(PathList):

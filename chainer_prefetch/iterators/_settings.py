@@ -60,7 +60,8 @@ class IteratorSettings:
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         if self.shared_mem is not None and self.shared_mem != 0:
-            _check_positive_int('shared_mem', self.shared_mem)
+            _check_positive_int('shared_mem', self.shared_mem,
+                                '(or 0: pickle every batch)')
         if not isinstance(self.loader_threads, bool):
             raise ValueError('loader_threads must be True or False, got {!r}'
                              .format(self.loader_threads))
@@ -129,11 +130,11 @@ RECHECK = ('each_epoch', 'never')
 FIELDS = frozenset(field.name for field in dataclasses.fields(IteratorSettings))
 
 
-def _check_positive_int(name, value):
+def _check_positive_int(name, value, alternative=''):
     if isinstance(value, bool) or not isinstance(value, (int, numpy.integer)) \
             or value < 1:
-        raise ValueError('{} must be a positive integer, got {!r}'.format(
-            name, value))
+        raise ValueError('{} must be a positive integer{}, got {!r}'.format(
+            name, ' ' + alternative if alternative else '', value))
 
 
 _WARNED_PATHS: Dict[str, str] = {}
@@ -154,12 +155,18 @@ def _local_dir(local_dir):
     variable = _VARIABLE.search(path)
     path = os.path.expanduser(path)
     if variable and path not in _WARNED_PATHS:
+        name = variable.group(1).strip('{}')
+        unset = name not in os.environ
         _WARNED_PATHS[path] = (
-            'local_dir {!r} contains {!r}, which Python does not expand: the '
-            'copies go to a directory literally named {!r}; expand it '
-            'yourself (os.path.expandvars(...), or an f-string with '
-            'os.environ[...])'.format(path, variable.group(0),
-                                      variable.group(0)))
+            'local_dir {!r} contains {!r}, which {}: the copies go to a '
+            'directory literally named {!r}; {}'.format(
+                path, variable.group(0),
+                'is not set in this environment' if unset
+                else 'Python does not expand', variable.group(0),
+                'set {} (the job scheduler sets TMPDIR on most clusters) or '
+                'give a path'.format(name) if unset else
+                'expand it yourself (os.path.expandvars(...), or an '
+                'f-string with os.environ[...])'))
         warnings.warn(_WARNED_PATHS[path], StagingWarning, stacklevel=5)
     return path
 

@@ -489,9 +489,12 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                     epoch[name] = epoch.get(name, 0) + value
         for name in _ACCESS_COUNTS:
             values[name] = counts.get(name, 0)
-        values['by_epoch'] = {epoch: {name: epoch_counts.get(name, 0)
+        # An epoch between two counted ones that nothing touched yet (its
+        # files all current, none of it loaded) is there with zeros too.
+        epochs = range(min(by_epoch), max(by_epoch) + 1) if by_epoch else ()
+        values['by_epoch'] = {epoch: {name: by_epoch.get(epoch, {}).get(name, 0)
                                       for name in _EPOCH_COUNTS}
-                              for epoch, epoch_counts in sorted(by_epoch.items())}
+                              for epoch in epochs}
         values['next_epoch_cache'] = cache
         values['batches'] = self._batches_delivered
         values['consumer_wait_seconds'] = self._consumer_wait_seconds
