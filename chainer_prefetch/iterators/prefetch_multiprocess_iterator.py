@@ -1,5 +1,4 @@
 """PrefetchMultiprocessIterator: MultiprocessIterator that stages files to local storage."""
-import os
 import threading
 import time
 import warnings
@@ -324,23 +323,11 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             path=path), stacklevel=2)
 
     def _copy_early(self, paths) -> None:
-        """Starts copying files an example of the learning epoch opened,
-        unless one lies in the local directory's tree or holds it (the
-        epoch's end refuses such files with a warning)."""
-        copies = self._early_copies
-        if copies is None:
-            return
-        if self._learning_epoch is None:
-            self._learning_epoch = self.epoch
-        try:
-            for path in paths:
-                checks.check_apart(self.settings.local_dir,
-                                   os.path.dirname(path))
-        except ValueError:
-            self._early_copies = None
-            copies.close(timeout=0)
-            return
-        copies.submit(paths)
+        """Starts copying the files an example of the learning epoch opened."""
+        if self._early_copies is not None:
+            if self._learning_epoch is None:
+                self._learning_epoch = self.epoch
+            self._early_copies.submit(paths)
 
     def _copied_in_order(self) -> bool:
         """Whether stage 2 copies the first example's files one at a time, in order.

@@ -11,10 +11,13 @@ Only without a capacity limit (``local_capacity=None``): with one, what is
 kept is the eviction policy's choice, made by the planned pipeline.
 
 A copy that fails on the source side is skipped (the planned pipeline
-tries again and reports the example); one that fails on the local side
-stops these copies (the planned pipeline finds the same fault and warns).
+tries again and reports the example); one that fails on the local side, or
+a file inside the local directory's tree or holding it, stops these copies
+(the planned pipeline finds the same fault, or refuses the files, and
+warns).
 """
 import collections
+import os
 import threading
 import time
 from typing import Iterable, Optional
@@ -24,6 +27,7 @@ from chainer_prefetch.errors import (
     LocalStorageError,
     SourceFileError,
 )
+from chainer_prefetch.staging.checks import check_apart
 from chainer_prefetch.staging.local_directory import LocalDirectory
 from chainer_prefetch.staging.local_store import Counters
 from chainer_prefetch.staging.sources import as_source
@@ -56,8 +60,6 @@ class EarlyCopies:
         self._stop_event = threading.Event()
         self._directory: Optional[LocalDirectory] = None
         self.counters = Counters(COUNTERS)
-        #: Why the copies stopped early (a local-side error), or ``None``.
-        self.error: Optional[str] = None
 
     def submit(self, paths: Iterable[str]) -> None:
         """Queues the copies of ``paths`` not submitted before.
@@ -110,8 +112,8 @@ class EarlyCopies:
             try:
                 self._directory = LocalDirectory(self._local_dir,
                                                  self._stop_event)
-            except LocalStorageError as error:
-                self._stop(str(error))
+            except LocalStorageError:
+                self._stop()
                 return
         while len(self._threads) < self._n_threads:
             thread = threading.Thread(
@@ -120,9 +122,8 @@ class EarlyCopies:
             thread.start()
             self._threads.append(thread)
 
-    def _stop(self, reason: str) -> None:
+    def _stop(self) -> None:
         """Stops copying for good (holding ``_cond``)."""
-        self.error = reason
         self._closed = True
         self._queue.clear()
         self._cond.notify_all()
@@ -140,6 +141,7 @@ class EarlyCopies:
                 return
             started = time.perf_counter()
             try:
+                check_apart(self._local_dir, os.path.dirname(path))
                 source = as_source(path)
                 origin_stat = source.stat_origin()
                 with self._cond:
@@ -152,9 +154,9 @@ class EarlyCopies:
                 continue  # another process is making it
             except InterruptedError:
                 return
-            except LocalStorageError as error:
+            except (LocalStorageError, ValueError):
                 with self._cond:
-                    self._stop(str(error))
+                    self._stop()
                 return
             finally:
                 self.counters.add(copy_seconds=time.perf_counter() - started)
