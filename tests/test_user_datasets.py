@@ -333,6 +333,19 @@ def test_a_learned_dataset_is_copied_during_the_epoch_that_learns_it(
     assert sizes <= stats['by_epoch'][0]['bytes_from_source'] < 2 * sizes
 
 
+def test_a_learned_dataset_under_its_local_dir_is_not_copied(tmp_path):
+    """Files found inside the dataset's own tree are never copied there:
+    nothing is made under local_dir, and the epoch's end warns."""
+    data = str(tmp_path / 'data')
+    ids = [n[:-4] for n in _write_images(data)]
+    local = tmp_path / 'data' / 'cache'
+    with pytest.warns(StagingWarning, match='overlaps the directory'):
+        values, stats = _iterate(BuildsItsPaths(data, ids), local, 2)
+    assert values == list(range(N)) * 2
+    assert stats['files_copied'] == 0
+    assert not local.exists()
+
+
 def test_a_learned_dataset_with_a_capacity_is_copied_in_its_second_epoch(
         tmp_path):
     """With local_capacity the copies are left to the eviction policy:

@@ -71,7 +71,12 @@ class EarlyCopies:
         with self._cond:
             for path in paths:
                 if path not in self._opened and not self._closed:
-                    self._queue.append(path)
+                    try:  # (before the directory is made, once per file)
+                        check_apart(self._local_dir, os.path.dirname(path))
+                    except ValueError:
+                        self._stop()
+                    else:
+                        self._queue.append(path)
                 self._opened[path] += 1
             if self._closed:
                 return
@@ -141,7 +146,6 @@ class EarlyCopies:
                 return
             started = time.perf_counter()
             try:
-                check_apart(self._local_dir, os.path.dirname(path))
                 source = as_source(path)
                 origin_stat = source.stat_origin()
                 with self._cond:
@@ -154,7 +158,7 @@ class EarlyCopies:
                 continue  # another process is making it
             except InterruptedError:
                 return
-            except (LocalStorageError, ValueError):
+            except LocalStorageError:
                 with self._cond:
                     self._stop()
                 return
