@@ -227,7 +227,7 @@ def test_worker_reads_the_source_when_a_copy_vanished(dataset, tmp_path):
     local_root = str(tmp_path / 'evicted')
     located = resolve_dataset_files(data).located(
         lambda path: os.path.join(local_root, os.path.basename(path)))
-    [(read_from, example, source_bytes, _, _)] = _load_in_this_process(
+    [(read_from, example, source_bytes, _, _, _)] = _load_in_this_process(
         data, located, local_root, [(0, 3, True)])
     assert read_from is ReadFrom.FALLBACK and source_bytes == 0  # no files given
     assert_examples_equal([example], [data[3]])

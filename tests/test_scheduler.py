@@ -132,7 +132,7 @@ class Driver:
         copy_id = next(iter(self.copies)) if copy_id is None else copy_id
         action = self.copies.pop(copy_id)
         self.step(s.Copied(copy_id, action.item, staged, 10 if staged else 0,
-                           tuple(evicted)))
+                           tuple(evicted), action.epoch))
         return action
 
     def finish_load(self, task_id=None, read_from=None, fail_at=None):

@@ -1,4 +1,5 @@
 """Tests of the storage emulator (testbed.storage): a real FUSE mount, no mocks."""
+import argparse
 import errno
 import os
 import signal
@@ -10,7 +11,7 @@ import pytest
 
 from chainer_prefetch_bench.testbed import jpeg_dataset
 from chainer_prefetch_bench.testbed import storage as shared_storage
-from chainer_prefetch_bench.testbed.storage import daemon, mount
+from chainer_prefetch_bench.testbed.storage import daemon, mount, presets
 
 needs_fuse = pytest.mark.skipif(
     not os.path.exists('/dev/fuse'),
@@ -62,6 +63,33 @@ def test_presets_are_params():
         shared_storage.Params.from_preset('nope')
 
 
+def test_presets_keep_their_values_and_lustre_charges_metadata():
+    Params = shared_storage.Params
+    assert Params.from_preset('paper') == Params(
+        open_latency_ms=18.0, read_latency_ms=5.0, bandwidth_mbps=100.0,
+        metadata_latency_ms=0.0, cache_timeout_s=3600.0)
+    assert Params.from_preset('mild') == Params(
+        open_latency_ms=2.0, read_latency_ms=0.5, bandwidth_mbps=400.0,
+        metadata_latency_ms=0.0, cache_timeout_s=3600.0)
+    lustre = Params.from_preset('lustre')
+    assert lustre == Params(
+        metadata_latency_ms=5.0, open_latency_ms=9.0, read_latency_ms=5.0,
+        bandwidth_mbps=100.0, cache_timeout_s=1.0)
+
+
+def test_param_args_override_the_preset():
+    parser = argparse.ArgumentParser()
+    presets.add_param_args(parser)
+    params = presets.params_from_args(parser.parse_args(
+        ['--preset', 'paper', '--metadata-latency-ms', '3',
+         '--cache-timeout-s', '0.5']))
+    assert params == shared_storage.Params(
+        open_latency_ms=18.0, read_latency_ms=5.0, bandwidth_mbps=100.0,
+        metadata_latency_ms=3.0, cache_timeout_s=0.5)
+    assert presets.params_from_args(parser.parse_args([])) == (
+        shared_storage.Params())
+
+
 @needs_fuse
 def test_fuse_usable_here():
     assert shared_storage.fuse_problem() is None
@@ -107,6 +135,52 @@ def test_reread_pays_read_latency(source, mountpoint):
             t0 = time.perf_counter()
             _read(path)
             assert time.perf_counter() - t0 >= 0.048
+
+
+@needs_fuse
+def test_uncached_stat_reaches_daemon_and_pays_metadata_latency(
+        source, mountpoint):
+    path = os.path.join(mountpoint, 'train.txt')
+    with shared_storage.mounted(source, mountpoint, metadata_latency_ms=50,
+                                cache_timeout_s=0) as storage_mount:
+        t0 = time.perf_counter()
+        for _ in range(10):
+            before = storage_mount.op_counts()
+            os.stat(path)
+            delta = shared_storage.counts_delta(before, storage_mount.op_counts())
+            assert delta['getattr'] >= 1
+        assert time.perf_counter() - t0 >= 0.4
+
+
+@needs_fuse
+def test_cached_stat_does_not_reach_daemon(source, mountpoint):
+    path = os.path.join(mountpoint, _images(source)[0])
+    with shared_storage.mounted(source, mountpoint) as storage_mount:
+        before = storage_mount.op_counts()
+        os.stat(path)
+        first = storage_mount.op_counts()
+        assert first['getattr'] > before['getattr']  # the lookups
+        os.stat(path)
+        assert storage_mount.op_counts() == first
+
+
+@needs_fuse
+def test_counts_open_and_bytes_read(source, mountpoint):
+    rel = _images(source)[1]
+    size = os.path.getsize(os.path.join(source, rel))
+    with shared_storage.mounted(source, mountpoint) as storage_mount:
+        assert set(storage_mount.op_counts()) == set(shared_storage.OP_NAMES)
+        before = storage_mount.op_counts()
+        assert len(_read(os.path.join(mountpoint, rel))) == size
+        delta = shared_storage.counts_delta(before, storage_mount.op_counts())
+        assert delta['open'] == 1
+        assert delta['read_bytes'] == size
+        assert delta['read'] >= 1
+        counts_dir = os.path.dirname(storage_mount.counts_path)
+        assert os.path.isdir(counts_dir)
+    assert not os.path.exists(counts_dir)
+    with pytest.raises(shared_storage.MountError):
+        storage_mount.op_counts()
 
 
 @needs_fuse
@@ -170,6 +244,8 @@ def test_command_line(source, tmp_path):
         status = run('status', mnt)
         assert status.returncode == 0
         assert 'open latency: 5.0 ms' in status.stdout
+        assert 'cache timeout: 3600.0 s' in status.stdout
+        assert 'operations served: getattr=' in status.stdout
         assert 'daemon CPU seconds' in status.stdout
         json_path = str(tmp_path / 'cal.json')
         calibrated = run('calibrate', mnt, '--readers', '1,2', '--files', '4',

@@ -27,6 +27,7 @@ import numpy
 from chainer_prefetch.columnar import ColumnarBatch, VarColumn
 from chainer_prefetch.iterators import _worker
 from chainer_prefetch.iterators._read_from import ReadFrom
+from chainer_prefetch.staging import source_ops
 
 
 class PackedVar:
@@ -147,7 +148,9 @@ def load_columns_with(loader: _worker.Loader, indices: numpy.ndarray,
             (or, in a loader thread, to hand the columns over as they are).
 
     Returns:
-        ``(read_from, batch, source_bytes, unfit_bytes)``, or, if loading
+        ``(read_from, batch, source_bytes, unfit_bytes, source_ops)``
+        (``source_ops``: the ``stat`` calls that counting ``source_bytes``
+        asked of shared storage; what pyarrow opens is not seen), or, if loading
         failed, ``(None, exception, traceback_text, index)`` where ``index``
         is the failing example's index when the dataset named it (else the
         batch's first).
@@ -161,12 +164,13 @@ def load_columns_with(loader: _worker.Loader, indices: numpy.ndarray,
         index = getattr(error, 'index', None)
         return (None, _worker._picklable(error), traceback.format_exc(),
                 int(indices[0]) if index is None else index)
-    source_bytes = loader.source_bytes(indices[~local])
+    with source_ops.tallied() as asked:
+        source_bytes = loader.source_bytes(indices[~local])
     unfit = 0
     buffer = loader.buffer(buffer_key)
     if buffer is not None:
         batch, unfit = pack_columns(batch, buffer)
-    return read_from, batch, source_bytes, unfit
+    return read_from, batch, source_bytes, unfit, dict(asked)
 
 
 def load_columns(indices: numpy.ndarray, local: numpy.ndarray, buffer_key):

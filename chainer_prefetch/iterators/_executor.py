@@ -50,6 +50,7 @@ from chainer_prefetch.iterators import _columnar_worker, _worker
 from chainer_prefetch.iterators import _scheduler as s
 from chainer_prefetch.iterators._loader_threads import LoaderThreads
 from chainer_prefetch.iterators._worker_pool import TASKS_PER_WORKER, WorkerPool
+from chainer_prefetch.staging import source_ops
 from chainer_prefetch.staging.copy_threads import CopyThreads
 from chainer_prefetch.staging.dataset_files import resolve_dataset_files
 from chainer_prefetch.staging.sources import Source, as_source
@@ -470,9 +471,12 @@ class Executor:
 
     def _copy(self, action: s.Copy, sources: Sequence[Source]) -> s.Copied:
         """On a copy thread: stages one item (its files are ``sources``)."""
-        result = self._store.stage(action.item, sources, action.access)
+        with source_ops.tallied() as asked:
+            result = self._store.stage(action.item, sources, action.access,
+                                       action.epoch)
         return s.Copied(action.copy_id, action.item, result.staged,
-                        result.bytes_read, result.evicted)
+                        result.bytes_read, result.evicted, action.epoch,
+                        dict(asked))
 
     def _load(self, action: s.Load):
         slot_bytes = self._buffers.slot_bytes(action.buffer)
@@ -498,7 +502,7 @@ class Executor:
                         index, example, detail)))
                     break
                 results.append(s.LoadResult(example, read_from, detail,
-                                            answer[3]))
+                                            answer[3], answer[5]))
                 if answer[4] is not None and self._on_finding is not None:
                     self._on_finding(index, answer[4])
             self._events.put(s.Loaded(task_id, tuple(results)))
@@ -511,7 +515,7 @@ class Executor:
             """On the worker pool's collector thread: turns the answer into an event."""
             if not ok:
                 value = (None, value, None, int(action.indices[0]))
-            read_from, batch, detail, last = value
+            read_from, batch, detail, last = value[:4]
             if read_from is None and isinstance(batch, ExampleLoadError):
                 # named by the dataset already (the row, or a batch transform)
                 result = s.LoadFailure(example_load_error(
@@ -519,7 +523,7 @@ class Executor:
             elif read_from is None:
                 result = s.LoadFailure(self._load_error(last, batch, detail))
             else:
-                result = s.LoadResult(batch, read_from, detail, last)
+                result = s.LoadResult(batch, read_from, detail, last, value[4])
             self._events.put(s.ColumnsLoaded(task_id, result))
 
         try:

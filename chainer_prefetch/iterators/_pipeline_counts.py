@@ -4,7 +4,7 @@ Pure bookkeeping for :class:`._scheduler.Scheduler`; the executor reads a
 copy of it (:meth:`PipelineCounts.snapshot`) under its step lock.
 """
 import collections
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from chainer_prefetch.iterators._read_from import ReadFrom
 
@@ -23,8 +23,10 @@ class PipelineCounts:
             next-epoch cache).
         by_epoch: For each epoch an access belongs to:
             ``examples_from_local``, ``examples_from_source``,
-            ``bytes_from_source``, ``bytes_copied`` and
-            ``examples_from_cache``.
+            ``bytes_from_source``, ``bytes_copied``,
+            ``examples_from_cache``, and what stages 2 and 3 asked of
+            shared storage: ``source_stats`` and ``source_opens`` (also
+            in ``total``).
     """
 
     def __init__(self):
@@ -36,9 +38,23 @@ class PipelineCounts:
         """Accesses of ``weight`` examples will read local copies (``local``) or the source."""
         self.total['examples_staged' if local else 'examples_not_staged'] += weight
 
-    def copied(self, epoch: int, bytes_read: int):
-        """A copy made for an access of ``epoch`` read ``bytes_read`` bytes."""
+    def copied(self, epoch: int, bytes_read: int,
+               source_ops: Optional[Dict[str, int]] = None):
+        """A copy made for an access of ``epoch`` read ``bytes_read`` bytes.
+
+        Args:
+            epoch: The epoch of the access it was made for.
+            bytes_read: Bytes it read from shared storage.
+            source_ops: What it asked of shared storage (counts keyed by
+                :data:`~chainer_prefetch.staging.source_ops.SOURCE_OPS`).
+        """
         self.by_epoch[epoch]['bytes_copied'] += bytes_read
+        self._add_ops(epoch, source_ops)
+
+    def _add_ops(self, epoch: int, source_ops: Optional[Dict[str, int]]):
+        if source_ops:
+            self.total.update(source_ops)
+            self.by_epoch[epoch].update(source_ops)
 
     def from_cache(self, epoch: int):
         """The next-epoch cache served one example of ``epoch``."""
@@ -46,7 +62,7 @@ class PipelineCounts:
         self.by_epoch[epoch]['examples_from_cache'] += 1
 
     def loaded(self, epoch: int, weight: int, read_from: ReadFrom,
-               source_bytes: int):
+               source_bytes: int, source_ops: Optional[Dict[str, int]] = None):
         """Stage 3 loaded ``weight`` examples of ``epoch``.
 
         Args:
@@ -54,7 +70,9 @@ class PipelineCounts:
             weight: Examples loaded.
             read_from: Where the loader read them.
             source_bytes: Bytes read from shared storage for them.
+            source_ops: What loading them asked of shared storage.
         """
+        self._add_ops(epoch, source_ops)
         counts = self.by_epoch[epoch]
         if read_from is ReadFrom.LOCAL:
             self.total['examples_from_local'] += weight

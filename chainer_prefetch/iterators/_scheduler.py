@@ -151,13 +151,19 @@ class Reset:
 
 @dataclasses.dataclass(frozen=True)
 class Copied:
-    """A copy finished (stage 2) for ``item``."""
+    """A copy finished (stage 2) for ``item``, for an access of ``epoch``.
+
+    ``source_ops`` counts what it asked of shared storage (see
+    :mod:`chainer_prefetch.staging.source_ops`).
+    """
 
     copy_id: int
     item: int
     staged: bool
     bytes_read: int = 0
     evicted: Tuple[int, ...] = ()
+    epoch: int = 0
+    source_ops: Dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,13 +187,15 @@ class LoadResult:
     """One example loaded by stage 3.
 
     ``unfit_bytes`` is the example's size when its arrays did not fit its
-    slot of the shared buffer (they travelled by pickling), else 0.
+    slot of the shared buffer (they travelled by pickling), else 0;
+    ``source_ops`` counts what loading it asked of shared storage.
     """
 
     example: Any
     read_from: ReadFrom
     source_bytes: int = 0
     unfit_bytes: int = 0
+    source_ops: Dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,12 +263,13 @@ class CacheOffers:
 
 @dataclasses.dataclass(frozen=True)
 class Copy:
-    """Stage ``item`` (the files of example ``index``) for access ``access``."""
+    """Stage ``item`` (the files of example ``index``) for access ``access`` of ``epoch``."""
 
     copy_id: int
     item: int
     index: int
     access: int
+    epoch: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -713,6 +722,8 @@ class Scheduler:
         window = self._window
         for item in event.evicted:
             window.forget(item)
+        # (what a copy read counts, also when a reset dropped it meanwhile)
+        self.counts.copied(event.epoch, event.bytes_read, event.source_ops)
         copy = window.end_copy(event.copy_id)
         if copy is None:
             # Reset meanwhile: end the store's hold for the lost access.
@@ -720,7 +731,6 @@ class Scheduler:
                 self._emit(Used(event.item, 0, NEVER))
             return
         epoch = self._epoch_of(copy.access)
-        self.counts.copied(epoch, event.bytes_read)
         if event.staged:
             window.mark_local(event.item, epoch)
         for batch, position in self._live_waiters(copy):
@@ -778,7 +788,7 @@ class Scheduler:
             batch.results[position] = result.example
             batch.done += 1
             self._count_load(batch, position, result.read_from,
-                             result.source_bytes)
+                             result.source_bytes, result.source_ops)
             if result.unfit_bytes:
                 self._buffers.grow(result.unfit_bytes)
 
@@ -793,13 +803,15 @@ class Scheduler:
             batch.error = self._failure_of(result)
             return
         batch.columns = result.example
-        source_bytes = result.source_bytes
+        source_bytes, source_ops = result.source_bytes, result.source_ops
         for unit in units:
             batch.status[unit] = Status.LOADED
             batch.done += 1
             read_from = result.read_from if batch.local[unit] else ReadFrom.SOURCE
             self._count_load(batch, unit, read_from,
-                             0 if read_from is ReadFrom.LOCAL else source_bytes)
+                             0 if read_from is ReadFrom.LOCAL else source_bytes,
+                             source_ops)
+            source_ops = None  # counted once
             if read_from is not ReadFrom.LOCAL:
                 source_bytes = 0  # counted once
         if result.unfit_bytes:
@@ -957,7 +969,7 @@ class Scheduler:
         copy = self._window.copies.get(item)
         if copy is None:
             copy = self._window.start_copy(next(self._ids), item, access)
-            self._emit(Copy(copy.copy_id, item, index, access))
+            self._emit(Copy(copy.copy_id, item, index, access, epoch))
         copy.waiters.append((batch.id, position))
         batch.status[position] = Status.COPYING
         batch.waiting += 1
@@ -1163,10 +1175,11 @@ class Scheduler:
         return access // self.config.dataset_length
 
     def _count_load(self, batch, position, read_from: ReadFrom,
-                    source_bytes: int):
+                    source_bytes: int, source_ops=None):
         """Counts a load stage 3 answered; a local copy that was not there is forgotten."""
         self.counts.loaded(self._epoch_of(batch.access(position)),
-                           batch.weight(position), read_from, source_bytes)
+                           batch.weight(position), read_from, source_bytes,
+                           source_ops)
         if read_from is not ReadFrom.LOCAL:
             self._window.reads_source()
         if read_from is ReadFrom.FALLBACK:

@@ -12,6 +12,7 @@ from chainer.iterators.order_samplers import ShuffleOrderSampler
 from chainer_prefetch.errors import StagingWarning
 from chainer_prefetch.policy.eviction import STRATEGIES
 from chainer_prefetch.staging.local_memory import MEMORY
+from chainer_prefetch.staging.source_checks import RECHECK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,7 @@ class IteratorSettings:
     eviction_policy: str = 'belady'
     next_epoch_cache_examples: Optional[int] = None
     next_epoch_cache_bytes: Optional[int] = None
-    recheck_sources: str = 'each_epoch'
+    recheck_sources: str = 'directories'
     columnar: Optional[bool] = None
     loader_threads: bool = False
 
@@ -124,8 +125,6 @@ class IteratorSettings:
         return dataclasses.replace(self, shuffle=None)
 
 
-#: When a local copy is checked against its source again.
-RECHECK = ('each_epoch', 'never')
 
 FIELDS = frozenset(field.name for field in dataclasses.fields(IteratorSettings))
 

@@ -35,7 +35,7 @@ import numpy
 
 from chainer_prefetch.iterators import _worker_pool
 from chainer_prefetch.iterators._read_from import ReadFrom
-from chainer_prefetch.staging import open_watch
+from chainer_prefetch.staging import open_watch, source_ops
 from chainer_prefetch.staging.open_watch import OpenCheck
 from chainer_prefetch.staging.sources import as_source
 
@@ -90,32 +90,36 @@ class Loader:
             example_bytes: Bytes of each example's region of the buffer.
 
         Returns:
-            One ``(read_from, example, source_bytes, unfit_bytes, finding)``
-            per entry (``read_from``: a :class:`ReadFrom`; ``unfit_bytes``:
-            the example's size if its arrays did not fit its region, else
-            0; ``finding``: what its opens showed, see
-            :meth:`OpenCheck.check`), or, from the first example that
+            One ``(read_from, example, source_bytes, unfit_bytes, finding,
+            source_ops)`` per entry (``read_from``: a :class:`ReadFrom`;
+            ``unfit_bytes``: the example's size if its arrays did not fit
+            its region, else 0; ``finding``: what its opens showed, see
+            :meth:`OpenCheck.check`; ``source_ops``: what it asked of
+            shared storage, see
+            :mod:`~chainer_prefetch.staging.source_ops`), or, from the first example that
             fails, ``(None, exception, traceback_text)`` and nothing after
             it.
         """
         buffer = self.buffer(buffer_key)
         results = []
         for position, index, read_local in entries:
-            try:
-                read_from, example, finding = self._watched_read(
-                    index, read_local)
-            except Exception as error:
-                results.append((None, _picklable(error), traceback.format_exc()))
-                break
+            with source_ops.tallied() as asked:
+                try:
+                    read_from, example, finding = self._watched_read(
+                        index, read_local)
+                except Exception as error:
+                    results.append((None, _picklable(error),
+                                    traceback.format_exc()))
+                    break
+                source_bytes = (0 if read_from is ReadFrom.LOCAL
+                                else self.source_bytes([index]))
             unfit = 0
             if buffer is not None:
                 start = position * example_bytes
                 example, unfit = pack(example, buffer, start,
                                       start + example_bytes)
-            results.append((read_from, example,
-                            0 if read_from is ReadFrom.LOCAL
-                            else self.source_bytes([index]),
-                            unfit, finding))
+            results.append((read_from, example, source_bytes, unfit, finding,
+                            dict(asked)))
         return results
 
     def _watched_read(self, index, read_local):
@@ -129,6 +133,7 @@ class Loader:
         with open_watch.watching(check.redirect(expected, read_local)) \
                 as opened:
             read_from, example = self._read(index, read_local)
+        source_ops.count('source_opens', check.source_opens(expected, opened))
         read_source, finding = check.check(expected, read_from is ReadFrom.LOCAL,
                                            opened)
         return ReadFrom.SOURCE if read_source else read_from, example, finding

@@ -26,6 +26,8 @@ from chainer_prefetch.staging.local_directory import LocalDirectory
 from chainer_prefetch.staging.local_memory import MEMORY, LocalMemory
 from chainer_prefetch.staging.local_store import STORE_COUNTERS, LocalStore
 from chainer_prefetch.staging.open_watch import OpenCheck
+from chainer_prefetch.staging.source_checks import SourceChecks
+from chainer_prefetch.staging.source_ops import SOURCE_OPS, tallied
 from chainer_prefetch.staging.sources import as_source
 
 
@@ -117,9 +119,13 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             (:mod:`chainer_prefetch.policy.next_epoch_cache`).
         next_epoch_cache_bytes (int): The same bound in bytes of example
             arrays (both bounds apply when both are given).
-        recheck_sources (str): ``'each_epoch'`` compares every copy with its
-            source (one ``stat``) once per epoch; ``'never'`` only when the
-            copy is made in this run.
+        recheck_sources (str): When a local copy is compared with its
+            source again (:mod:`chainer_prefetch.staging.source_checks`):
+            ``'directories'``, in each epoch whose look at the source's
+            directory (one ``stat`` per directory per epoch) shows a name
+            in it created, renamed or removed; ``'each_epoch'``, every copy
+            once per epoch (one ``stat`` per file); ``'never'``, only the
+            first time this run uses it.
         columnar (bool): Load whole batches as columns with the dataset's
             ``get_columns(indices)``; ``next()`` returns a
             :class:`~chainer_prefetch.columnar.ColumnarBatch`.  ``None``:
@@ -157,7 +163,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                  maxtasksperchild=None, *, local_dir=None, n_copy_threads=16,
                  n_copy_ahead=16, local_capacity=None,
                  eviction_policy='belady', next_epoch_cache_examples=None,
-                 next_epoch_cache_bytes=None, recheck_sources='each_epoch',
+                 next_epoch_cache_bytes=None, recheck_sources='directories',
                  columnar=None, loader_threads=False):
         self.settings = IteratorSettings(
             dataset, batch_size, repeat, shuffle, n_processes, n_prefetch,
@@ -177,6 +183,11 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
 
     def _initialize(self):
         """Sets up everything that is not the iteration state (also after unpickling)."""
+        with tallied() as asked:  # what the checks of the dataset's files ask
+            self._set_up()
+        self._setup_ops = asked
+
+    def _set_up(self):
         settings = self.settings
         self._stop_event = threading.Event()
         self._error = None
@@ -232,7 +243,11 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             try:
                 self._store = LocalStore(
                     directory, settings.local_capacity,
-                    settings.eviction_policy, sources_of)
+                    settings.eviction_policy, sources_of,
+                    SourceChecks(settings.recheck_sources,
+                                 len(settings.dataset) if item_of is None
+                                 else int(item_of.max()) + 1 if len(item_of)
+                                 else 0))
             except BaseException:
                 directory.close()
                 raise
@@ -358,7 +373,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             staging=self._store is not None,
             limited=self._store is not None and self._store.limited,
             item_of=self._item_of, example_bytes=settings.shared_mem,
-            revalidate_each_epoch=settings.recheck_sources == 'each_epoch',
+            revalidate_each_epoch=settings.recheck_sources != 'never',
             # Columnar batches: two tasks per loader process, one loading
             # and one queued, so that none idles while its answer travels.
             columnar=settings.columnar, decode_window=2 * settings.n_processes,
@@ -451,7 +466,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         ``bytes_from_source``).  The counters keep their values after
         ``finalize()``.
         """
-        values = dict.fromkeys(_STORE_DEFAULTS, 0)
+        values = dict.fromkeys(_STORE_DEFAULTS + SOURCE_OPS, 0)
         values['local_storage_error'] = None
         values['local_bytes_used'] = None
         if self._store is not None:
@@ -472,10 +487,13 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                 for name, value in (
                         ('bytes_copied', early['bytes_copied']),
                         ('bytes_from_source',
-                         self._early_copies.bytes_opened())):
+                         self._early_copies.bytes_opened())) + tuple(
+                            (name, early[name]) for name in SOURCE_OPS):
                     epoch[name] = epoch.get(name, 0) + value
         for name in _ACCESS_COUNTS:
             values[name] = counts.get(name, 0)
+        for name in SOURCE_OPS:  # stages 2-3, and the constructor's checks
+            values[name] += counts.get(name, 0) + self._setup_ops[name]
         # An epoch between two counted ones that nothing touched yet (its
         # files all current, none of it loaded) is there with zeros too.
         epochs = range(min(by_epoch), max(by_epoch) + 1) if by_epoch else ()
@@ -664,7 +682,8 @@ _ACCESS_COUNTS = ('examples_staged', 'examples_not_staged',
                   'examples_from_local', 'examples_from_source',
                   'examples_from_cache', 'examples_fallback')
 _EPOCH_COUNTS = ('examples_from_local', 'examples_from_source',
-                 'examples_from_cache', 'bytes_from_source', 'bytes_copied')
+                 'examples_from_cache', 'bytes_from_source', 'bytes_copied'
+                 ) + SOURCE_OPS
 
 
 def _added(first, second):

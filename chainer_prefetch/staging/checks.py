@@ -6,6 +6,7 @@ that building an iterator over 1.28 million examples stays fast.
 import os
 from typing import List, Optional
 
+from chainer_prefetch.staging import source_ops
 from chainer_prefetch.staging.dataset_files import DatasetFiles
 from chainer_prefetch.staging.discovery import sample_indices
 
@@ -60,9 +61,17 @@ def _within(path: str, directory: str) -> bool:
 
 def missing_files(paths: List[str]) -> Optional[str]:
     """The first of ``paths`` if none of them exists, else ``None``."""
-    if paths and not any(os.path.exists(p) for p in paths):
+    if paths and not any(map(_exists, paths)):
         return paths[0]
     return None
+
+
+def _exists(path: str) -> bool:
+    try:
+        source_ops.stat(path)
+    except OSError:
+        return False
+    return True
 
 
 def smallest_bytes(paths: List[str]) -> Optional[int]:
@@ -70,7 +79,7 @@ def smallest_bytes(paths: List[str]) -> Optional[int]:
     sizes = []
     for path in paths:
         try:
-            sizes.append(os.stat(path).st_size)
+            sizes.append(source_ops.stat(path).st_size)
         except OSError:
             pass
     return min(sizes) if sizes else None

@@ -87,6 +87,7 @@ import queue
 import threading
 from typing import Sequence, Tuple
 
+from chainer_prefetch.staging import source_ops
 from chainer_prefetch.staging.piece_reads import PieceReaders
 from chainer_prefetch.staging.read_ahead_slots import READS_AHEAD, ReadAheadOutcome, ReadAheadSlots
 from chainer_prefetch.staging.sources import ReadAhead, Source, using_reads_ahead
@@ -359,7 +360,7 @@ class OpenOrigins:
                 os.close(self._descriptors.pop(origin))
         for origin in origins:
             if origin not in self._descriptors:
-                self._descriptors[origin] = os.open(origin, os.O_RDONLY)
+                self._descriptors[origin] = source_ops.open_readonly(origin)
         return {origin: self._descriptors[origin] for origin in origins}
 
     def close(self):
@@ -372,6 +373,6 @@ class OpenOrigins:
 def _still_at(descriptor: int, path: str) -> bool:
     """Whether the open file ``descriptor`` is still the file at ``path``."""
     try:
-        return os.path.samestat(os.fstat(descriptor), os.stat(path))
+        return os.path.samestat(os.fstat(descriptor), source_ops.stat(path))
     except OSError:
         return False

@@ -14,9 +14,12 @@ ahead.  The dataset itself is not changed: the loaders read the copies by
 redirecting the dataset's own ``open`` calls (see :mod:`.open_watch`).
 """
 import os
+import stat
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy
+
+from chainer_prefetch.staging import source_ops
 
 SAMPLE = 8
 """Entries looked at per attribute (spread over the whole sequence)."""
@@ -136,6 +139,14 @@ def _root_of(sequence, field, indices: List[int],
     as they are), or ``None`` when none fits."""
     paths = [_path_in(sequence[i], field) for i in indices]
     for root in [''] + roots:
-        if all(os.path.isfile(os.path.join(root, p)) for p in paths):
+        if all(_is_file(os.path.join(root, p)) for p in paths):
             return root
     return None
+
+
+def _is_file(path: str) -> bool:
+    """``os.path.isfile``, counted as a ``stat`` of shared storage."""
+    try:
+        return stat.S_ISREG(source_ops.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False

@@ -30,10 +30,11 @@ from chainer_prefetch.errors import (
 from chainer_prefetch.staging.checks import check_apart
 from chainer_prefetch.staging.local_directory import LocalDirectory
 from chainer_prefetch.staging.local_store import Counters
+from chainer_prefetch.staging.source_ops import SOURCE_OPS, tallied
 from chainer_prefetch.staging.sources import as_source
 
 COUNTERS = ('files_copied', 'bytes_copied', 'files_failed_source',
-            'copy_seconds')
+            'copy_seconds') + SOURCE_OPS
 
 
 class EarlyCopies:
@@ -146,11 +147,15 @@ class EarlyCopies:
                 return
             started = time.perf_counter()
             try:
-                source = as_source(path)
-                origin_stat = source.stat_origin()
-                with self._cond:
-                    self._sizes[path] = origin_stat.st_size
-                written = self._directory.stage(source, origin_stat)
+                with tallied() as asked:
+                    try:
+                        source = as_source(path)
+                        origin_stat = source.stat_origin()
+                        with self._cond:
+                            self._sizes[path] = origin_stat.st_size
+                        written = self._directory.stage(source, origin_stat)
+                    finally:
+                        self.counters.add(**asked)
             except SourceFileError:
                 self.counters.add(files_failed_source=1)
                 continue

@@ -50,6 +50,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import stat
 import threading
 import time
 from typing import Callable, Optional, Union
@@ -169,12 +170,25 @@ class LocalDirectory:
                    origin_stat: os.stat_result) -> bool:
         """Whether a complete, current local form of ``source`` exists."""
         source = as_source(source)
-        directory, name = os.path.split(self.path_map.relative(source))
+        local = self._local_stat(source)
+        return local is not None and source.is_current(local, origin_stat)
+
+    def has_local(self, source: Union[str, Source]) -> bool:
+        """Whether a complete local form of ``source`` exists (its source is not looked at)."""
+        local = self._local_stat(as_source(source))
+        return local is not None and stat.S_ISREG(local.st_mode)
+
+    def _local_stat(self, source: Source) -> Optional[os.stat_result]:
+        """``lstat`` of the local form's path, or ``None`` if there is none.
+
+        A check only, by path: no descriptor of its directory is opened
+        (with many directories, the copy threads would take turns walking
+        them).  The loaders open the same path to read the copy.
+        """
         try:
-            with self._directories.opened(directory, create=False) as fd:
-                return _is_current_at(fd, name, source, origin_stat)
+            return os.lstat(self.local_path(source))
         except OSError:
-            return False
+            return None
 
     def stage(self, source: Union[str, Source],
               origin_stat: Optional[os.stat_result] = None,
@@ -185,6 +199,9 @@ class LocalDirectory:
             source: What to stage: a path or a
                 :class:`~chainer_prefetch.staging.sources.Source`.
             origin_stat: ``source.stat_origin()`` if the caller has it.
+                Without it, a source that ``stats_when_opened`` takes it from
+                the origin it opens to copy it, and is stat'ed first only if
+                a local file is already there to compare.
             before_rename: Called with the bytes written when a new local
                 file is complete, just before it is renamed into place (the
                 capacity ledger counts it then); an exception from it drops
@@ -201,7 +218,7 @@ class LocalDirectory:
             CopyLockTimeout: another process held the copy's lock too long.
         """
         source = as_source(source)
-        if origin_stat is None:
+        if origin_stat is None and not source.stats_when_opened:
             origin_stat = source.stat_origin()
         relative = self.path_map.relative(source)
         directory, name = os.path.split(relative)
@@ -427,10 +444,18 @@ class _OpenDirectories:
 
 
 def _is_current_at(directory_fd, name, source, origin_stat) -> bool:
+    """Whether the local file ``name`` is current; ``origin_stat`` ``None``:
+    stat the origin only if there is a local file to compare.
+
+    Raises:
+        SourceFileError: the origin had to be stat'ed and cannot be read.
+    """
     try:
         local = os.stat(name, dir_fd=directory_fd, follow_symlinks=False)
     except OSError:
         return False
+    if origin_stat is None:
+        origin_stat = source.stat_origin()
     return source.is_current(local, origin_stat)
 
 

@@ -165,6 +165,11 @@ class LocalMemory:
         with self._changed:
             return self._is_current(as_source(source).name, origin_stat)
 
+    def has_local(self, source: Union[str, Source]) -> bool:
+        """Whether a form of ``source`` is kept (its origin is not looked at)."""
+        with self._changed:
+            return as_source(source).name in self._forms
+
     def _is_current(self, name, origin_stat) -> bool:
         form = self._forms.get(name)
         return form is not None and form.origin_key == _origin_key(origin_stat)

@@ -41,6 +41,7 @@ from chainer_prefetch.errors import CopyLockTimeout, LocalStorageError, SourceFi
 from chainer_prefetch.policy.eviction import make_strategy
 from chainer_prefetch.staging.local_directory import LocalDirectory
 from chainer_prefetch.staging.local_memory import LocalMemory
+from chainer_prefetch.staging.source_checks import SourceChecks
 from chainer_prefetch.staging.sources import Source
 
 
@@ -116,13 +117,17 @@ class LocalStore:
         sources_of: ``sources_of(item)``, the sources of an item (needed to
             evict it; asked again rather than kept, so memory follows the
             number of items stored, not their paths).
+        checks: When a local copy is compared with its source again
+            (``recheck_sources``); ``None``: each time the item is staged.
     """
 
     def __init__(self, directory: Union[LocalDirectory, LocalMemory],
                  capacity_bytes: Optional[int] = None,
                  eviction_policy: str = 'belady',
-                 sources_of: Optional[Callable[[int], Sequence[Source]]] = None):
+                 sources_of: Optional[Callable[[int], Sequence[Source]]] = None,
+                 checks: Optional[SourceChecks] = None):
         self.directory = directory
+        self.checks = checks
         self._sources_of = sources_of
         self.counters = Counters(STORE_COUNTERS)
         self.disabled: Optional[str] = None  #: why staging stopped, if it did
@@ -160,8 +165,8 @@ class LocalStore:
             self._ledger.close()
         self.directory.close()
 
-    def stage(self, item: int, sources: Sequence[Source], now: int = 0
-              ) -> StageResult:
+    def stage(self, item: int, sources: Sequence[Source], now: int = 0,
+              epoch: int = 0) -> StageResult:
         """Makes a current local form of every source of ``item``.
 
         Args:
@@ -169,6 +174,7 @@ class LocalStore:
             sources: Its sources.
             now: The number of the access it is staged for (the policy
                 compares it with the next uses of the stored items).
+            epoch: The epoch of that access (see ``checks``).
 
         Returns:
             What happened.  ``staged`` is false when a source cannot be read
@@ -178,19 +184,37 @@ class LocalStore:
         """
         started = time.perf_counter()
         try:
-            try:
-                missing = self._missing(sources)
-            except SourceFileError:
-                self.counters.add(files_failed_source=1)
-                return StageResult(False)
-            self.counters.add(files_already_local=len(sources) - len(missing))
-            if missing and self.disabled is not None:
-                return StageResult(False)
-            if self._ledger is None:
-                return self._make(missing)
-            return self._make_within_budget(item, sources, missing, now)
+            result = self._stage(item, sources, now, epoch)
+            if self.checks is not None:
+                if result.staged:
+                    self.checks.compared(item, epoch)
+                else:
+                    self.checks.forget(item)
+            return result
         finally:
             self.counters.add(copy_seconds=time.perf_counter() - started)
+
+    def _stage(self, item, sources, now, epoch) -> StageResult:
+        try:
+            missing = ([] if self._trusted(item, sources, epoch)
+                       else self._missing(sources))
+        except SourceFileError:
+            self.counters.add(files_failed_source=1)
+            return StageResult(False)
+        self.counters.add(files_already_local=len(sources) - len(missing))
+        if missing and self.disabled is not None:
+            return StageResult(False)
+        if self._ledger is None:
+            return self._make(missing)
+        return self._make_within_budget(item, sources, missing, now)
+
+    def _trusted(self, item, sources, epoch) -> bool:
+        """Whether ``checks`` lets the item's local forms be used without
+        comparing them with their sources, and they are all still there."""
+        return (self.checks is not None
+                and self.checks.trusts(item, [source.origin for source in sources],
+                                       epoch)
+                and all(self.directory.has_local(source) for source in sources))
 
     def needs_copy(self, sources: Sequence[Source]) -> bool:
         """Whether :meth:`stage` would read the origin of one of ``sources``.
@@ -203,16 +227,26 @@ class LocalStore:
         return self.disabled is None and bool(self._missing(sources))
 
     def _missing(self, sources: Sequence[Source]
-                 ) -> List[Tuple[Source, os.stat_result]]:
+                 ) -> List[Tuple[Source, Optional[os.stat_result]]]:
         """The sources without a current local form, with their origins' stats.
+
+        Without a capacity limit, a source that ``stats_when_opened`` and
+        has no local file at all comes with ``None``: its copy takes the
+        stat from the origin it opens, so shared storage is asked once.
 
         Raises:
             SourceFileError: an origin cannot be read.
         """
-        origin_stats = [source.stat_origin() for source in sources]
-        return [(source, origin_stat) for source, origin_stat
-                in zip(sources, origin_stats)
-                if not self.directory.is_current(source, origin_stat)]
+        missing = []
+        for source in sources:
+            if (source.stats_when_opened and self._ledger is None
+                    and not self.directory.has_local(source)):
+                missing.append((source, None))
+                continue
+            origin_stat = source.stat_origin()
+            if not self.directory.is_current(source, origin_stat):
+                missing.append((source, origin_stat))
+        return missing
 
     def hold(self, item: int, now: int) -> bool:
         """Keeps a stored item from eviction until :meth:`used` reports access ``now``.
@@ -249,8 +283,7 @@ class LocalStore:
             written = self._make_one(source, origin_stat)
             if written is None:
                 return StageResult(False, bytes_read)
-            if written:
-                bytes_read += source.source_bytes(origin_stat)
+            bytes_read += _bytes_read(source, origin_stat, written)
         return StageResult(True, bytes_read)
 
     def _make_one(self, source, origin_stat, before_rename=None
@@ -276,7 +309,8 @@ class LocalStore:
             return None
         if written:
             self.counters.add(files_copied=1,
-                              bytes_copied=source.source_bytes(origin_stat),
+                              bytes_copied=_bytes_read(source, origin_stat,
+                                                       written),
                               local_bytes_written=written)
         else:
             self.counters.add(files_already_local=1)
@@ -359,6 +393,15 @@ class LocalStore:
             if freed:
                 self._ledger.freed(freed)
                 self.counters.add(files_evicted=1, bytes_evicted=freed)
+
+
+def _bytes_read(source: Source, origin_stat: Optional[os.stat_result],
+                written: int) -> int:
+    """Bytes of shared storage a copy that wrote ``written`` bytes read
+    (``origin_stat`` ``None``: a plain copy, as many as it wrote)."""
+    if not written:
+        return 0
+    return written if origin_stat is None else source.source_bytes(origin_stat)
 
 
 def sources_bytes(sources: Sequence[Source]) -> int:

@@ -213,6 +213,30 @@ class OpenCheck:
                     return True, (NOT_SEEN, sorted(expected)[0])
         return False, None if unstaged is None else (UNSTAGED, unstaged)
 
+    def source_opens(self, expected: Optional[Dict[str, str]],
+                     opened: List[str]) -> int:
+        """How many of the paths an example opened were on shared storage.
+
+        Args:
+            expected: What stage 2 knew the example reads (:meth:`expected`).
+            opened: The paths it opened for reading (:func:`watching`).
+
+        Returns:
+            The opens of its own files and of files under the dataset's
+            directory (or, for a dataset that names no files, of any file
+            outside the system's directories), local copies excluded.
+        """
+        count = 0
+        for path in map(os.path.abspath, opened):
+            if self._local(path):
+                continue
+            if ((expected is not None and path in expected)
+                    or (self.source_root is not None
+                        and path.startswith(self.source_root))
+                    or (expected is None and self._user_file(path))):
+                count += 1
+        return count
+
     def _silent_again(self, paths: List[str]) -> bool:
         """Whether, with no redirected open ever seen in this process, this
         example is one more that opened nothing: after ``SILENT_EXAMPLES`` in

@@ -35,6 +35,7 @@ import threading
 from typing import Any, BinaryIO, Optional, Sequence, Tuple, Union
 
 from chainer_prefetch.errors import LocalStorageError, SourceFileError
+from chainer_prefetch.staging import source_ops
 from chainer_prefetch.staging.piece_reads import PendingReads, PieceReaders
 
 #: Bytes per ``sendfile`` call (the kernel copies; nothing passes through Python).
@@ -59,6 +60,10 @@ class Source:
     #: Whether the local form can be kept in this process's memory instead
     #: of a file (:meth:`DerivedFile.make_in_memory`; ``local_dir=':memory:'``).
     has_memory_form = False
+    #: Whether :meth:`write_local` may be given no ``origin_stat`` and take
+    #: it from the origin it opens (``fstat``): a copy then asks shared
+    #: storage for one ``open`` instead of a ``stat`` and an ``open``.
+    stats_when_opened = False
 
     def __repr__(self):
         return '{}({!r})'.format(type(self).__name__, self.name)
@@ -77,7 +82,7 @@ class Source:
             SourceFileError: the origin cannot be read (the message names it).
         """
         try:
-            return os.stat(self.origin)
+            return source_ops.stat(self.origin)
         except OSError as error:
             raise source_error(error, self.origin) from error
 
@@ -145,7 +150,8 @@ class Source:
 
         Args:
             out_fd: The file to write (a locked ``.part`` file).
-            origin_stat: ``stat_origin()`` taken before reading.
+            origin_stat: ``stat_origin()`` taken before reading (``None``
+                only where :attr:`stats_when_opened`).
             destination: The final local path (for error messages).
 
         Returns:
@@ -168,6 +174,7 @@ class PlainFile(Source):
     """
 
     __slots__ = ('name', 'origin')
+    stats_when_opened = True
 
     def __init__(self, path: str):
         self.name = self.origin = path
@@ -178,7 +185,13 @@ class PlainFile(Source):
 
     def write_local(self, out_fd, origin_stat, destination):
         try:
-            in_fd = os.open(self.origin, os.O_RDONLY)
+            in_fd = source_ops.open_readonly(self.origin)
+            try:
+                if origin_stat is None:  # (see stats_when_opened)
+                    origin_stat = os.fstat(in_fd)
+            except OSError:
+                os.close(in_fd)
+                raise
         except OSError as error:
             raise source_error(error, self.origin) from error
         try:
@@ -310,7 +323,7 @@ class DerivedFile(Source):
     def _check_unchanged(self, origin_stat: os.stat_result):
         """Raises ``SourceFileError`` if the origin changed since ``origin_stat``."""
         try:
-            after = os.stat(self.origin)
+            after = source_ops.stat(self.origin)
         except OSError as error:
             raise self.origin_error(error) from error
         if (after.st_size, after.st_mtime_ns) != (origin_stat.st_size,

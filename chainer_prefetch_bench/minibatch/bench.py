@@ -35,9 +35,9 @@ shared storage (``testbed.storage``, a real FUSE mount):
                      are decoded by threads of the training process
                      instead of loader processes.
 ``proposed-warm-never``
-                     proposed-warm with ``recheck_sources='never'``: over
-                     more than one epoch, the cost of comparing every
-                     source again once per epoch (the default).
+                     proposed-warm with ``recheck_sources='never'``
+                     (``chainer_prefetch_bench.minibatch.metadata``
+                     compares the settings over several epochs).
 ``prefetch-local``   PrefetchMultiprocessIterator reading the local copy
                      with no staging (the pipeline's own cost).
 ``copy-then-local``  Copy the whole dataset with 8 parallel copiers, then

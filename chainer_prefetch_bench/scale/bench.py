@@ -6,14 +6,27 @@ is not what is measured here), each configuration runs in a fresh child
 process:
 
 ``no-staging``   ``local_dir=None``;
-``staging``      a local directory without a limit;
+``staging``      a local directory without a limit (``recheck_sources``
+                 the default, ``'directories'``);
+``staging-each-epoch``
+                 the same with ``recheck_sources='each_epoch'``;
 ``capacity``     a local directory limited to half of the dataset's bytes.
 
 Each run reports the constructor's time, the training process's memory
 growth after construction, and, over ``--batches`` batches read from an
-empty local directory (cold) and then again in the same order (warm), the
-wall time and the training process's own CPU time per batch (every thread
-of it, not the loader processes).
+empty local directory (cold) and then again in the same order by a new
+iterator (warm), the wall time and the training process's own CPU time per
+batch (every thread of it, not the loader processes).  A new iterator
+compares each copy it finds with its source the first time it uses it; an
+epoch after the first does not (with ``'directories'``).  To measure such
+a later epoch without running whole epochs of 1.28 million examples, the
+warm iterator is told before it starts that every copy was compared in
+its epoch 0 (it then behaves as in an epoch after the one that compared
+them: one ``stat`` per directory per epoch), after the stamps of every
+directory have been read for its epoch 0 (timed apart: ``stamps_s``; see
+``_read_stamps``).  With ``--preset`` the files
+are read through the emulated shared storage (``testbed.storage``), so
+that each ``stat`` and lookup pays the preset's metadata latency.
 
 The capacity bookkeeping at full size is also measured on its own: the
 eviction strategy, the future uses and the scheduler's local-copy marks,
@@ -26,20 +39,27 @@ Usage::
         --out results/scale/scale.json
 """
 import argparse
+import contextlib
 import os
 import resource
 import shutil
 import sys
 import time
 
+from chainer_prefetch_bench.testbed import storage
 from chainer_prefetch_bench.testbed.machine import machine_description
-from chainer_prefetch_bench.testbed.processes import answer_child, run_in_child
+from chainer_prefetch_bench.testbed.processes import (
+    answer_child,
+    exit_on_sigterm,
+    run_in_child,
+    run_order,
+)
 from chainer_prefetch_bench.testbed.report import write_json
 
 BATCH_SIZE = 32
 FILE_BYTES = 64
 FILES_PER_DIRECTORY = 1000
-CONFIGS = ('no-staging', 'staging', 'capacity')
+CONFIGS = ('no-staging', 'staging', 'staging-each-epoch', 'capacity')
 
 
 class TinyFiles:
@@ -132,11 +152,16 @@ def run_one(config):
     from chainer_prefetch import PrefetchMultiprocessIterator
     with open(config['list_file']) as lines:
         paths = lines.read().split()
+    if config['served_root'] != config['files_root']:  # through the mount
+        offset = len(config['files_root'])
+        paths = [config['served_root'] + path[offset:] for path in paths]
     dataset = TinyFiles(paths)
     kind = config['config']
     options = {}
     if kind != 'no-staging':
         options['local_dir'] = config['local_dir']
+    if kind == 'staging-each-epoch':
+        options['recheck_sources'] = 'each_epoch'
     if kind == 'capacity':
         options['local_capacity'] = len(paths) * FILE_BYTES // 2
 
@@ -162,6 +187,11 @@ def run_one(config):
     finally:
         iterator.finalize()
     iterator = make()  # the same order: every file is local now
+    store = iterator._store
+    if store is not None and store.checks is not None:
+        store.checks._compared[:] = 0  # as in an epoch after the first
+        if store.checks.mode == 'directories':
+            result.update(_read_stamps(store.checks, paths))
     try:
         next(iterator)
         seconds, cpu = _timed_batches(iterator, config['batches'])
@@ -169,11 +199,32 @@ def run_one(config):
                       warm_own_cpu_ms_per_batch=1000 * cpu / config['batches'])
         result['stats'] = {key: value for key, value in iterator.stats.items()
                            if key != 'by_epoch'}
+        result['warm_source_stats_per_batch'] = (
+            result['stats']['source_stats'] / (config['batches'] + 1))
     finally:
         iterator.finalize()
     result['peak_rss_mb'] = resource.getrusage(
         resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
+
+
+def _read_stamps(checks, paths) -> dict:
+    """Reads, untimed, the stamp of every directory of ``paths`` for epoch 0.
+
+    An epoch reads each directory's stamp once, the first time it meets
+    the directory: over a whole epoch that is one ``stat`` per directory,
+    but a window of a few hundred batches at the start of an epoch meets
+    every directory of a large dataset.  So the window is timed with the
+    stamps read, and the once-per-epoch cost is reported apart: the
+    directories and the seconds their stamps took one after the other (the
+    copy threads read them in parallel).
+    """
+    directories = sorted({os.path.dirname(path) for path in paths})
+    started = time.perf_counter()
+    for directory in directories:
+        checks.trusts(0, [os.path.join(directory, 'any')], 0)
+    return {'directories': len(directories),
+            'stamps_s': time.perf_counter() - started}
 
 
 def bookkeeping(n_examples: int, share: float = 0.5) -> dict:
@@ -223,35 +274,58 @@ def main(argv=None):
     parser.add_argument('--workdir', default='/tmp/chainer_prefetch_scale')
     parser.add_argument('--out', default='results/scale/scale.json')
     parser.add_argument('--run-timeout', type=float, default=1800)
+    parser.add_argument('--repeats', type=int, default=1,
+                        help='runs of each configuration per size, interleaved')
+    parser.add_argument('--preset', choices=sorted(storage.PRESETS),
+                        help='read the files through emulated shared storage')
     args = parser.parse_args(argv)
+    exit_on_sigterm()  # (a mount is stopped on the way out)
     sizes = [int(size) for size in args.sizes.split(',')]
     configs = [config for config in args.configs.split(',') if config]
     runs, books = [], []
     for size in sizes:
         started = time.perf_counter()
-        list_file = make_files(os.path.join(args.workdir, 'files-{}'.format(
-            size)), size)
+        files_root = os.path.join(args.workdir, 'files-{}'.format(size))
+        list_file = make_files(files_root, size)
         print('{} files ready ({:.0f} s)'.format(size, time.perf_counter()
                                                  - started), flush=True)
-        for config in configs:
-            local_dir = os.path.join(args.workdir, 'local')
-            shutil.rmtree(local_dir, ignore_errors=True)
-            result = run_in_child(__spec__.name, {
-                'config': config, 'list_file': list_file,
-                'local_dir': local_dir, 'batches': args.batches},
-                args.run_timeout)
-            runs.append(result)
-            print('{n_examples:>9} {config:<11} construction {construction_s:6.2f} s'
-                  ', +{rss_growth_mb:6.1f} MB; cold {cold_ms_per_batch:6.2f} ms/batch'
-                  ' ({cold_own_cpu_ms_per_batch:5.2f} ms CPU), warm '
-                  '{warm_ms_per_batch:6.2f} ms/batch ({warm_own_cpu_ms_per_batch:5.2f} '
-                  'ms CPU)'.format(**result), flush=True)
+        with contextlib.ExitStack() as stack:
+            served_root = files_root
+            if args.preset:
+                served_root = os.path.join(args.workdir, 'mnt')
+                os.makedirs(served_root, exist_ok=True)
+                stack.enter_context(storage.mounted(files_root, served_root,
+                                                    preset=args.preset))
+            for repeat, config in ((repeat, config)
+                                   for repeat in range(args.repeats)
+                                   for config in run_order(configs, repeat)):
+                local_dir = os.path.join(args.workdir, 'local')
+                shutil.rmtree(local_dir, ignore_errors=True)
+                time.sleep(1.5 if args.preset else 0)  # (the mount's caches expire)
+                result = run_in_child(__spec__.name, {
+                    'config': config, 'list_file': list_file,
+                    'files_root': files_root, 'served_root': served_root,
+                    'local_dir': local_dir, 'batches': args.batches},
+                    args.run_timeout)
+                result['repeat'] = repeat
+                runs.append(result)
+                print('{n_examples:>9} {config:<18} construction {construction_s:6.2f} s'
+                      ', +{rss_growth_mb:6.1f} MB; cold {cold_ms_per_batch:6.2f} '
+                      'ms/batch ({cold_own_cpu_ms_per_batch:5.2f} ms CPU), warm '
+                      '{warm_ms_per_batch:6.2f} ms/batch ({warm_own_cpu_ms_per_batch:5.2f} '
+                      'ms CPU, {stats_per_batch:.1f} stat){stamps}'.format(
+                          stamps='' if 'directories' not in result else
+                          '; stamps of {directories} directories {stamps_s:.2f} s'
+                          .format(**result),
+                          stats_per_batch=result.get('warm_source_stats_per_batch', 0),
+                          **result), flush=True)
         shutil.rmtree(os.path.join(args.workdir, 'local'), ignore_errors=True)
         books.append(bookkeeping(size))
         print('{n_examples:>9} capacity bookkeeping at 50%: {stored} stored, '
               '{current_mb:.0f} MB ({peak_mb:.0f} MB peak)'.format(**books[-1]),
               flush=True)
     write_json(args.out, {
+        'preset': args.preset,
         'command': 'python -m {} {}'.format(__spec__.name, ' '.join(argv)),
         'machine': machine_description(), 'batch_size': BATCH_SIZE,
         'file_bytes': FILE_BYTES, 'runs': runs, 'bookkeeping': books})

@@ -362,22 +362,27 @@ def generate(out_dir: str, n_images: int, n_classes: int, seed: int,
     return Summary(len(sizes), sum(sizes), time.perf_counter() - start)
 
 
-def cached_dataset(workdir: str, n_images: int) -> str:
+def cached_dataset(workdir: str, n_images: int, n_classes: int = 100) -> str:
     """The benchmarks' dataset of ``n_images`` training images (made once).
 
-    100 classes, seed 0, kept as ``WORKDIR/dataset-N`` for later runs.
+    Seed 0, kept as ``WORKDIR/dataset-N`` (100 classes) or
+    ``WORKDIR/dataset-N-cC`` for later runs.
 
     Args:
         workdir: Where the dataset is kept.
         n_images: Training images.
+        n_classes: Classes, one folder each.
 
     Returns:
         The dataset's folder (with ``train.txt``).
     """
-    dataset_dir = os.path.join(workdir, 'dataset-{}'.format(n_images))
+    name = 'dataset-{}'.format(n_images)
+    if n_classes != 100:
+        name += '-c{}'.format(n_classes)
+    dataset_dir = os.path.join(workdir, name)
     if not os.path.exists(os.path.join(dataset_dir, 'train.txt')):
         print('generating {} images into {}'.format(n_images, dataset_dir))
-        generate(dataset_dir, n_images, n_classes=100, seed=0)
+        generate(dataset_dir, n_images, n_classes=n_classes, seed=0)
     return dataset_dir
 
 

@@ -7,12 +7,14 @@ from chainer_prefetch_bench.testbed.jpeg_dataset import cached_dataset
 from chainer_prefetch_bench.testbed.processes import exit_on_sigterm
 
 
-def prepare_jpeg_benchmark(workdir: str, n_images: int) -> Optional[str]:
+def prepare_jpeg_benchmark(workdir: str, n_images: int,
+                           n_classes: int = 100) -> Optional[str]:
     """Make SIGTERM unwind, check FUSE, and make (once) the dataset.
 
     Args:
         workdir: Where the dataset is kept.
         n_images: Training images of the dataset.
+        n_classes: Its classes (one folder each).
 
     Returns:
         The dataset's folder (with ``train.txt``), or ``None`` when FUSE is
@@ -23,4 +25,4 @@ def prepare_jpeg_benchmark(workdir: str, n_images: int) -> Optional[str]:
     if problem:
         print('FUSE is not usable here: ' + problem, file=sys.stderr)
         return None
-    return cached_dataset(workdir, n_images)
+    return cached_dataset(workdir, n_images, n_classes)

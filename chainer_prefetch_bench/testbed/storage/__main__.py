@@ -3,6 +3,7 @@
 ``python -m chainer_prefetch_bench.testbed.storage --help``
 """
 import argparse
+import contextlib
 import json
 import sys
 from dataclasses import asdict
@@ -32,12 +33,17 @@ def _cmd_status(mountpoint: str) -> int:
     alive = daemon_alive(mount)
     print('mountpoint: {}\nsource: {}\nmounted: {}\npid: {} ({})\n'
           'open latency: {} ms\nread latency: {} ms\nbandwidth: {} MB/s\n'
+          'metadata latency: {} ms\ncache timeout: {} s\n'
           'daemon CPU seconds: {:.3f}\nlog: {}'.format(
               mount.mountpoint, mount.source, mounted_now, mount.pid,
               'running' if alive else 'dead', mount.params.open_latency_ms,
               mount.params.read_latency_ms,
               mount.params.bandwidth_mbps or 'unlimited',
+              mount.params.metadata_latency_ms, mount.params.cache_timeout_s,
               mount.cpu_seconds() if alive else 0.0, mount.log_path))
+    with contextlib.suppress(MountError):
+        print('operations served: ' + ', '.join(
+            '{}={}'.format(name, n) for name, n in mount.op_counts().items()))
     return 0 if alive and mounted_now else 1
 
 

@@ -8,6 +8,29 @@ a state file and a log under ``$SHARED_STORAGE_STATE_DIR`` (default
 ``/tmp/shared_storage``) keyed by the mount point, so that ``stop`` (also
 from another process) and the next ``start`` clean up a stale mount left by
 a killed daemon ("Transport endpoint is not connected").
+
+Each mount started by :func:`start` also has a counts file, in a folder of
+its own that :func:`stop` removes, where the daemon counts the operations
+it serves; :meth:`Mount.op_counts` reads it and
+:func:`~.counts.counts_delta` tells what was served between two readings.
+The counts, one per name of :data:`~.counts.OP_NAMES`:
+
+* ``getattr``: attribute requests, i.e. every name lookup (a path component
+  whose entry the kernel does not hold, or has held longer than the cache
+  timeout) and every ``stat``/``fstat`` whose attributes are not cached;
+* ``getattr_fh``: the part of ``getattr`` that carries an open file's
+  handle (the kernel refreshing the size while reading near the end of a
+  file whose cached attributes expired);
+* ``open``: file opens (every ``open()``: the kernel does not cache them);
+* ``read`` and ``read_bytes``: read requests (up to 128 KiB each after the
+  kernel's readahead) and the bytes they returned;
+* ``readdir`` and ``opendir``: directory listing requests and directory
+  opens;
+* ``readlink``, ``access``, ``statfs``: the system calls of those names
+  (``access`` only for checks the kernel forwards).
+
+An operation is counted while it is served, before the daemon replies, so
+a reading taken after the caller's system call returned includes it.
 """
 import contextlib
 import errno
@@ -23,6 +46,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Dict, Iterator, List, Optional, Sequence
 
+from chainer_prefetch_bench.testbed.storage.counts import read_counts
 from chainer_prefetch_bench.testbed.storage.presets import PRESETS, Params
 
 DAEMON_MODULE = 'chainer_prefetch_bench.testbed.storage.daemon'
@@ -47,6 +71,8 @@ class Mount:
         pid: Process id of the FUSE daemon.
         params: The emulation parameters.
         log_path: The daemon's log file.
+        counts_path: The file where the daemon counts the operations it
+            serves (removed by :func:`stop`).
     """
 
     source: str
@@ -54,10 +80,31 @@ class Mount:
     pid: int
     params: Params
     log_path: str
+    counts_path: Optional[str] = None
 
     def cpu_seconds(self) -> float:
         """CPU seconds (user + system) the daemon has used so far."""
         return process_cpu_seconds(self.pid)
+
+    def op_counts(self) -> Dict[str, int]:
+        """The operations the daemon has served since it started.
+
+        The module docstring says what each count means.
+
+        Returns:
+            A dict from each name of :data:`~.counts.OP_NAMES` to its count.
+
+        Raises:
+            MountError: The mount has no counts file (it was stopped).
+        """
+        if self.counts_path is None:
+            raise MountError('the mount at {} keeps no operation counts'
+                             .format(self.mountpoint))
+        try:
+            return read_counts(self.counts_path)
+        except FileNotFoundError:
+            raise MountError('no operation counts for {}: the mount was '
+                             'stopped'.format(self.mountpoint)) from None
 
 
 class MountError(RuntimeError):
@@ -126,7 +173,32 @@ def _read_state(mountpoint: str) -> Optional[dict]:
 
 def _mount_from_state(state: dict) -> Mount:
     return Mount(state['source'], state['mountpoint'], state['pid'],
-                 Params(**state['params']), state['log_path'])
+                 Params(**state['params']), state['log_path'],
+                 state.get('counts_path'))
+
+
+_COUNTS_DIR_MARK = '.counts-'
+"""Part of the name of every counts folder :func:`start` makes."""
+
+_COUNTS_FILE = 'counts'
+"""Name of the counts file in its folder."""
+
+
+def _make_counts_dir(mountpoint: str) -> str:
+    """A fresh folder for the counts file of the mount at ``mountpoint``."""
+    state_path, _ = _state_paths(mountpoint)
+    return tempfile.mkdtemp(
+        prefix=os.path.basename(state_path)[:-len('.json')]
+        + _COUNTS_DIR_MARK, dir=STATE_DIR)
+
+
+def _remove_counts_dir(counts_path: Optional[str]) -> None:
+    """Remove the folder of a counts file made by :func:`start`."""
+    if not counts_path or os.path.basename(counts_path) != _COUNTS_FILE:
+        return
+    folder = os.path.dirname(counts_path)
+    if _COUNTS_DIR_MARK in os.path.basename(folder):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def read_mount(mountpoint: str) -> Optional[Mount]:
@@ -311,6 +383,8 @@ def stop(mountpoint: str, timeout: float = 10.0) -> bool:
     if is_mounted(real):
         acted = True
         _unmount(real)
+    if state is not None:
+        _remove_counts_dir(state.get('counts_path'))
     for path in _state_paths(real):
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
@@ -361,16 +435,24 @@ def start(source: str, mountpoint: str, params: Params,
 
     os.makedirs(STATE_DIR, exist_ok=True)
     state_path, log_path = _state_paths(real)
-    with open(log_path, 'wb') as log:
-        child = subprocess.Popen(
-            [sys.executable, '-m', DAEMON_MODULE, source,
-             real, '--open-latency-ms', repr(params.open_latency_ms),
-             '--read-latency-ms', repr(params.read_latency_ms),
-             '--bandwidth-mbps', repr(params.bandwidth_mbps)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            start_new_session=True)
+    counts_path = os.path.join(_make_counts_dir(real), _COUNTS_FILE)
+    try:
+        with open(log_path, 'wb') as log:
+            child = subprocess.Popen(
+                [sys.executable, '-m', DAEMON_MODULE, source, real,
+                 '--open-latency-ms', repr(params.open_latency_ms),
+                 '--read-latency-ms', repr(params.read_latency_ms),
+                 '--bandwidth-mbps', repr(params.bandwidth_mbps),
+                 '--metadata-latency-ms', repr(params.metadata_latency_ms),
+                 '--cache-timeout-s', repr(params.cache_timeout_s),
+                 '--counts-file', counts_path],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                start_new_session=True)
+    except BaseException:
+        _remove_counts_dir(counts_path)
+        raise
     _CHILDREN[real] = child
-    mount = Mount(source, real, child.pid, params, log_path)
+    mount = Mount(source, real, child.pid, params, log_path, counts_path)
     with open(state_path, 'w') as f:
         json.dump(dict(asdict(mount), params=asdict(params)), f)
     try:
@@ -409,8 +491,9 @@ def mounted(source: str, mountpoint: Optional[str] = None,
             (removed afterwards).
         preset: Name of a preset in :data:`PRESETS`; keyword parameters
             override its values.
-        **params: ``open_latency_ms``, ``read_latency_ms``,
-            ``bandwidth_mbps``.
+        **params: Fields of :class:`Params` (``open_latency_ms``,
+            ``read_latency_ms``, ``bandwidth_mbps``, ``metadata_latency_ms``,
+            ``cache_timeout_s``).
 
     Yields:
         The running :class:`Mount`.
