@@ -114,9 +114,9 @@ class Stage2:
         self.finished = threading.Semaphore(0)
         self.threads = CopyThreads(
             2, self._run, self._post, self._post,
-            lambda sources: any(s.name not in local for s in sources))
+            lambda action, sources: any(s.name not in local for s in sources))
 
-    def _run(self, action, sources):
+    def _run(self, action, sources, asked_ahead):
         for source in sources:
             if self.before_copy is not None:
                 self.before_copy(source)

@@ -54,10 +54,10 @@ def files(tmp_path):
     return paths
 
 
-def _iterator(paths, local, recheck):
+def _iterator(paths, local, recheck, repeat=True):
     return PrefetchMultiprocessIterator(
         BytesFiles(paths), BATCH, shuffle=False, n_processes=1, n_copy_ahead=1,
-        local_dir=local, recheck_sources=recheck)
+        local_dir=local, recheck_sources=recheck, repeat=repeat)
 
 
 def _epochs(it, n):
@@ -137,6 +137,40 @@ def test_a_changed_source_is_noticed_as_the_setting_says(
     if noticed:
         expected[CHANGED] = _content(CHANGED, 1)
     assert last == expected
+
+
+@pytest.mark.parametrize('recheck', ['directories', 'each_epoch'])
+def test_a_source_replaced_after_a_reset_is_noticed(files, tmp_path, recheck):
+    """A reset numbers epochs from 0 again; the checks still see them as new."""
+    it = _iterator(files, str(tmp_path / 'local'), recheck)
+    try:
+        _epochs(it, 3)
+        _replace_by_rename(files[CHANGED], _content(CHANGED, 1))
+        it.reset()  # (the copies of the new epoch 0 start here)
+        last = _epochs(it, 1)[-1]
+    finally:
+        it.finalize()
+    expected = [_content(i, 0) for i in range(N_FILES)]
+    expected[CHANGED] = _content(CHANGED, 1)
+    assert last == expected
+
+
+@pytest.mark.parametrize('recheck', ['directories', 'each_epoch'])
+def test_an_evaluation_iterator_reset_each_time_sees_a_replaced_source(
+        files, tmp_path, recheck):
+    """As Chainer's Evaluator uses it: one pass, reset, another pass."""
+    it = _iterator(files, str(tmp_path / 'local'), recheck, repeat=False)
+    try:
+        first = [bytes(example) for batch in it for example in batch]
+        _replace_by_rename(files[CHANGED], _content(CHANGED, 1))
+        it.reset()  # (as the Evaluator does before each pass)
+        second = [bytes(example) for batch in it for example in batch]
+    finally:
+        it.finalize()
+    expected = [_content(i, 0) for i in range(N_FILES)]
+    assert first == expected
+    expected[CHANGED] = _content(CHANGED, 1)
+    assert second == expected
 
 
 @pytest.mark.parametrize('recheck', ['directories', 'each_epoch'])

@@ -6,7 +6,10 @@ the rules; this module keeps the state they need:
 
 * the copies in flight: accesses waiting for the same item share one copy;
 * for each item, the epoch in which it was last known to have current
-  local copies (then an access needs no copy);
+  local copies (then an access needs no copy), counted as *check epochs*:
+  the epoch plus a base that each reset raises past every check epoch
+  used before, so that they never go back (a reset to epoch 0, or a
+  restored snapshot, compares the copies again as a new epoch would);
 * the window's size in batches: one more per batch delivered ("slow
   start"), all of ``n_copy_ahead`` once stage 2 is idle;
 * with ``max_bytes_ahead``, the items the batches in flight use and their
@@ -79,8 +82,8 @@ class CopyWindow:
         copies: The copy in flight for each item.
         unanswered: The item of each copy whose answer (copied or
             cancelled) has not come, including those a reset dropped.
-        known_local: For each item, the epoch in which it was last known to
-            have current local copies (-1: not known).
+        known_local: For each item, the check epoch in which it was last
+            known to have current local copies (-1: not known).
     """
 
     def __init__(self, config, decode_window: int):
@@ -97,6 +100,8 @@ class CopyWindow:
         self._delivered_ever = 0  # batches delivered since the start
         self._slow_start_over = not config.slow_start  # the window is wholly open
         self._reads_only_local = True  # no load reads shared storage
+        self._check_base = 0  # added to an epoch: its check epoch
+        self._check_high = -1  # the highest check epoch used
 
     @property
     def n_items(self) -> int:
@@ -165,15 +170,21 @@ class CopyWindow:
 
     # ---- copies and local items ----------------------------------------------
 
+    def check_epoch(self, epoch: int) -> int:
+        """The check epoch of ``epoch`` since the last reset (see the module docstring)."""
+        check = self._check_base + epoch
+        self._check_high = max(self._check_high, check)
+        return check
+
     def is_local(self, item: int, epoch: int) -> bool:
         """Whether an access of ``epoch`` may read ``item``'s local copies without a copy."""
         known = self.known_local[item]
-        return known >= 0 and (known == epoch
+        return known >= 0 and (known == self.check_epoch(epoch)
                                or not self._config.revalidate_each_epoch)
 
     def mark_local(self, item: int, epoch: int):
-        """A copy made for an access of ``epoch`` staged ``item``."""
-        self.known_local[item] = epoch
+        """A copy made for an access of ``epoch`` (since the last reset) staged ``item``."""
+        self.known_local[item] = self.check_epoch(epoch)
 
     def forget(self, item: int):
         """``item``'s local copies are gone (evicted, lost or unreadable)."""
@@ -195,7 +206,11 @@ class CopyWindow:
         return copy
 
     def reset(self) -> Tuple[int, ...]:
-        """Drops every copy in flight and item ahead; returns the copies to cancel."""
+        """Drops every copy in flight and item ahead; returns the copies to cancel.
+
+        The check epochs of the epochs after the reset are new ones.
+        """
+        self._check_base = self._check_high + 1
         copy_ids = tuple(copy.copy_id for copy in self.copies.values())
         self.copies.clear()
         if self._items_ahead is not None:

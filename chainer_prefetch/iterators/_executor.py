@@ -347,7 +347,8 @@ class Executor:
             self._copies = CopyThreads(
                 settings.n_copy_threads, self._copy, self._events.put,
                 lambda error: self._events.put(_Crashed(error)),
-                self._store.needs_copy)
+                lambda action, sources: self._store.needs_copy(
+                    sources, action.item, action.check_epoch))
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name='chainer_prefetch-pipeline')
         _live_executors.add(self)
@@ -469,11 +470,19 @@ class Executor:
             raise TypeError('unknown action {!r}'.format(action))
         return []
 
-    def _copy(self, action: s.Copy, sources: Sequence[Source]) -> s.Copied:
-        """On a copy thread: stages one item (its files are ``sources``)."""
+    def _copy(self, action: s.Copy, sources: Sequence[Source],
+              asked_ahead: Optional[dict] = None) -> s.Copied:
+        """On a copy thread: stages one item (its files are ``sources``).
+
+        Args:
+            action: The scheduler's copy.
+            sources: The item's files.
+            asked_ahead: What reading them ahead asked of shared storage.
+        """
         with source_ops.tallied() as asked:
             result = self._store.stage(action.item, sources, action.access,
-                                       action.epoch)
+                                       action.check_epoch)
+        asked.update(asked_ahead or {})
         return s.Copied(action.copy_id, action.item, result.staged,
                         result.bytes_read, result.evicted, action.epoch,
                         dict(asked))

@@ -263,13 +263,19 @@ class CacheOffers:
 
 @dataclasses.dataclass(frozen=True)
 class Copy:
-    """Stage ``item`` (the files of example ``index``) for access ``access`` of ``epoch``."""
+    """Stage ``item`` (the files of example ``index``) for access ``access`` of ``epoch``.
+
+    ``check_epoch`` numbers the epoch for the checks of copies against
+    their sources: it never goes back, also across a reset (see
+    :mod:`._copy_window`).
+    """
 
     copy_id: int
     item: int
     index: int
     access: int
     epoch: int = 0
+    check_epoch: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -969,7 +975,8 @@ class Scheduler:
         copy = self._window.copies.get(item)
         if copy is None:
             copy = self._window.start_copy(next(self._ids), item, access)
-            self._emit(Copy(copy.copy_id, item, index, access, epoch))
+            self._emit(Copy(copy.copy_id, item, index, access, epoch,
+                            self._window.check_epoch(epoch)))
         copy.waiters.append((batch.id, position))
         batch.status[position] = Status.COPYING
         batch.waiting += 1

@@ -69,7 +69,7 @@ def missing_files(paths: List[str]) -> Optional[str]:
 def _exists(path: str) -> bool:
     try:
         source_ops.stat(path)
-    except OSError:
+    except (OSError, ValueError):
         return False
     return True
 
@@ -80,6 +80,6 @@ def smallest_bytes(paths: List[str]) -> Optional[int]:
     for path in paths:
         try:
             sizes.append(source_ops.stat(path).st_size)
-        except OSError:
+        except (OSError, ValueError):
             pass
     return min(sizes) if sizes else None

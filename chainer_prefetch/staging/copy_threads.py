@@ -123,13 +123,17 @@ class CopyThreads:
 
     Args:
         n_threads: How many threads run the other copies.
-        run: ``run(copy_action, sources) -> event``, called on a copy thread;
-            ``copy_action`` has a ``copy_id``.
+        run: ``run(copy_action, sources, asked_ahead) -> event``, called on
+            a copy thread; ``copy_action`` has a ``copy_id``;
+            ``asked_ahead`` is what reading it ahead asked of shared storage
+            (counts of :mod:`~chainer_prefetch.staging.source_ops`), or
+            ``None``.
         post: Where events go.
         post_error: ``post_error(error)``, called on a copy thread with what
             ``run`` raised (a bug: it must reach the consumer).
-        needs_copy: ``needs_copy(sources) -> bool``, whether a copy would
-            read their origins (not when the local forms are current).
+        needs_copy: ``needs_copy(copy_action, sources) -> bool``, whether
+            a copy would read their origins (not when the local forms are
+            current).
     """
 
     def __init__(self, n_threads: int, run, post, post_error, needs_copy):
@@ -140,7 +144,7 @@ class CopyThreads:
         self._n_threads = n_threads  # beside the read-ahead and copy-alone ones
         self._tasks = queue.SimpleQueue()
         self._tasks_alone = queue.SimpleQueue()
-        self._to_make = queue.SimpleQueue()  # (action, sources, reads)
+        self._to_make = queue.SimpleQueue()  # (action, sources, reads, asked ahead)
         self._slots = ReadAheadSlots(READS_AHEAD)
         self._slots_changed = threading.Condition()  # guards _slots
         self._piece_readers = PieceReaders()  # closed by the read-ahead thread
@@ -196,10 +200,11 @@ class CopyThreads:
         with self._lock:
             return self._queued.pop(action.copy_id, None) is not None
 
-    def _make(self, action, sources: Sequence[Source], reads=()):
+    def _make(self, action, sources: Sequence[Source], reads=(),
+              asked_ahead=None):
         try:
             with using_reads_ahead(reads):
-                event = self._run_copy(action, sources)
+                event = self._run_copy(action, sources, asked_ahead)
         except BaseException as error:  # a bug must reach next()
             self._post_error(error)
         else:
@@ -243,7 +248,9 @@ class CopyThreads:
                 if not self._is_queued(copy_id):  # cancelled
                     self._tell_slots(slots.skip, copy_id)
                     continue
-                outcome, reads = self._read_ahead(task[1], open_origins)
+                with source_ops.tallied() as asked_ahead:
+                    outcome, reads = self._read_ahead(task[0], task[1],
+                                                      open_origins)
                 if reads:
                     self._keep_pending(copy_id, reads)
                 with self._slots_changed:  # (a copy that reads itself waits here)
@@ -251,7 +258,7 @@ class CopyThreads:
                     self._slots_changed.wait_for(
                         functools.partial(slots.may_hand_over, copy_id))
                     slots.hand_over(copy_id)
-                self._to_make.put(task + (reads,))
+                self._to_make.put(task + (reads, dict(asked_ahead)))
                 reads = None  # (owned by the make thread now)
         finally:
             try:
@@ -269,11 +276,13 @@ class CopyThreads:
             for read in reads:
                 read.cancel()
 
-    def _read_ahead(self, sources: Sequence[Source], open_origins: 'OpenOrigins'
+    def _read_ahead(self, action, sources: Sequence[Source],
+                    open_origins: 'OpenOrigins'
                     ) -> Tuple[ReadAheadOutcome, list]:
         """What was read ahead for ``sources``.
 
         Args:
+            action: The copy.
             sources: The sources of one copy.
             open_origins: The origins kept open, through which they are read.
 
@@ -282,7 +291,7 @@ class CopyThreads:
         """
         reads = []
         try:
-            if not self._needs_copy(sources):
+            if not self._needs_copy(action, sources):
                 return ReadAheadOutcome.NOT_NEEDED, []
             opened = open_origins.open({source.origin for source in sources})
             for source in sources:
@@ -305,7 +314,7 @@ class CopyThreads:
             task = self._to_make.get()
             if task is None:
                 return
-            action, sources, reads = task
+            action, sources, reads, asked_ahead = task
             task = None
             read_failed = False
             if reads:  # their pieces may still be queued or being read
@@ -315,7 +324,7 @@ class CopyThreads:
                     self._pending_reads.pop(action.copy_id, None)
             self._tell_slots(slots.making, action.copy_id, read_failed)
             if self._start(action):
-                self._make(action, sources, reads)
+                self._make(action, sources, reads, asked_ahead)
             reads = None  # the maps read ahead go now, not after the next copy
             self._tell_slots(slots.made, action.copy_id)
 

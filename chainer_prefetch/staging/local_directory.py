@@ -267,7 +267,13 @@ class LocalDirectory:
                 self._lock(part_fd, source)
                 if not _same_file(part_fd, self._partial_fd, part_name):
                     continue  # renamed or removed while we waited: retry
-                if _is_current_at(directory_fd, name, source, origin_stat):
+                try:
+                    current = _is_current_at(directory_fd, name, source,
+                                             origin_stat)
+                except SourceFileError:  # (its origin had to be stat'ed)
+                    _unlink_quietly(part_name, self._partial_fd)
+                    raise
+                if current:
                     _unlink_quietly(part_name, self._partial_fd)
                     return 0
                 try:

@@ -174,7 +174,9 @@ class LocalStore:
             sources: Its sources.
             now: The number of the access it is staged for (the policy
                 compares it with the next uses of the stored items).
-            epoch: The epoch of that access (see ``checks``).
+            epoch: The check epoch of that access (see ``checks``): its
+                epoch, numbered so that it never goes back, also across a
+                reset of the iterator.
 
         Returns:
             What happened.  ``staged`` is false when a source cannot be read
@@ -216,15 +218,21 @@ class LocalStore:
                                        epoch)
                 and all(self.directory.has_local(source) for source in sources))
 
-    def needs_copy(self, sources: Sequence[Source]) -> bool:
+    def needs_copy(self, sources: Sequence[Source], item: Optional[int] = None,
+                   epoch: int = 0) -> bool:
         """Whether :meth:`stage` would read the origin of one of ``sources``.
 
-        Not when every local form is current, nor when copying is disabled.
+        Not when every local form is current (or ``checks`` trusts them, for
+        ``item`` in ``epoch``), nor when copying is disabled.
 
         Raises:
             SourceFileError: an origin cannot be read.
         """
-        return self.disabled is None and bool(self._missing(sources))
+        if self.disabled is not None:
+            return False
+        if item is not None and self._trusted(item, sources, epoch):
+            return False
+        return bool(self._missing(sources))
 
     def _missing(self, sources: Sequence[Source]
                  ) -> List[Tuple[Source, Optional[os.stat_result]]]:

@@ -15,7 +15,9 @@ system, a round trip to the metadata server.  Settings:
     ``mv`` and most tools replace a file) or *deleted*, within the epoch
     that follows plus the look-ahead; it does **not** notice a source
     rewritten in place under the same name (``cp new old``, a program
-    opening it for writing), which changes no directory.  A stamp read
+    opening it for writing), which changes no directory.  The directory is
+    that of the source's path: for a source that is a symbolic link, the
+    link's, not its target's.  A stamp read
     less than :data:`RECENT_SECONDS` after the directory's last change
     (file systems keep times at one-second resolution, and clocks differ)
     is not trusted; the copies of that directory are compared again until
@@ -73,6 +75,10 @@ class _Directory:
 class SourceChecks:
     """Decides whether an item's local copies need comparing with their sources.
 
+    Epochs here are *check epochs* (see
+    :mod:`chainer_prefetch.iterators._copy_window`): they never go back, also
+    when the iterator is reset or a snapshot is restored.
+
     Args:
         mode: One of :data:`RECHECK`.
         n_items: Items in the dataset (an item is staged as one).
@@ -93,7 +99,7 @@ class SourceChecks:
         self._clock = clock
         self._compared = numpy.full(n_items, -1, dtype=numpy.int32)
         self._directories: Dict[str, _Directory] = {}
-        self._lock = threading.Lock()  # guards _directories' keys
+        self._lock = threading.Lock()  # guards _directories' keys and _compared
 
     def trusts(self, item: int, origins: Sequence[str], epoch: int) -> bool:
         """Whether the local copies of ``item`` may be used in ``epoch`` without comparing them.
@@ -111,18 +117,20 @@ class SourceChecks:
             return False
         compared = int(self._compared[item])
         trusted = compared >= 0
-        for directory in {os.path.dirname(origin) for origin in origins}:
+        for directory in {os.path.dirname(origin) or '.' for origin in origins}:
             since = self._settled_since(directory, epoch)
             trusted = trusted and since is not None and since <= compared
         return trusted
 
     def compared(self, item: int, epoch: int):
         """Every local copy of ``item`` was found current (or made) for an access of ``epoch``."""
-        self._compared[item] = max(int(self._compared[item]), epoch)
+        with self._lock:
+            self._compared[item] = max(int(self._compared[item]), epoch)
 
     def forget(self, item: int):
         """``item``'s local copies are gone or stale: compare them before trusting them again."""
-        self._compared[item] = -1
+        with self._lock:
+            self._compared[item] = -1
 
     def _settled_since(self, path: str, epoch: int) -> Optional[int]:
         """The first epoch since which ``path``'s stamp has stood, read once per epoch."""
