@@ -27,10 +27,11 @@ stable to +-3%:
   and open keeps the paper's per-file cost: reading this dataset through
   LabeledImageDataset costs 1.8 lookups per image (the file's, and most of
   the time its class folder's, visited every ~2.5 s) and one open, 1.8 x 5
-  + 9 = 18 ms, as ``paper``'s open.  Measured in one run each: ``paper``
-  mounted 48.9 img/s (local 276, a loaded machine), ``lustre`` with 8 ms
-  lookups and 10 ms opens 40.2 img/s (1.8 x 8 + 10 = 24.4 ms per image);
-  with 5 ms and 9 ms: see the docs' Results page.
+  + 9 = 18 ms, as ``paper``'s open.  Measured one after the other (medians
+  of 3): ``lustre`` mounted 47.1 img/s, ``paper`` 49.4 img/s, local 259 and
+  265 img/s (a loaded machine); with 8 ms lookups and 10 ms opens (1.8 x 8
+  + 10 = 24.4 ms per image) ``lustre`` gave 40.2 img/s against ``paper``'s
+  48.9.
 * For reference, no latency at all: mounted 309-343 img/s, ratio 1.41 (the
   FUSE path itself; the daemon used ~0.6 ms CPU per image read with PIL).
 
