@@ -43,10 +43,21 @@ shared storage (``testbed.storage``, a real FUSE mount):
 ``copy-then-local``  Copy the whole dataset with 8 parallel copiers, then
                      baseline-local (the paper's Table 3 accounting).
 ``multithread``      Chainer's MultithreadIterator through the mount.
-``torch``            PyTorch's DataLoader through the mount (if installed).
+``torch``            PyTorch's DataLoader through the mount (if installed):
+                     its default settings with ``pin_memory=False`` and
+                     ``collate_fn=list`` (the images differ in size, so the
+                     default collate cannot stack them).
+``torch-local``      The same DataLoader reading the local copy: the loaders
+                     themselves compared on equal files.
 ``decode-limit``     No iterator: the loader processes only read and decode
                      their share of the local copies (the machine's limit
                      for the loaders; images/s is what to compare).
+``decode-copy-limit``
+                     decode-limit, and each example's arrays copied once
+                     into memory the process reuses (its pages touched
+                     once, at the start): the limit of any loader whose
+                     processes hand their arrays over in shared memory, as
+                     Chainer's, PyTorch's and ours do.
 
 Our iterators run with their default settings (``shared_mem=None``).
 Besides time, each run reports the training process's own CPU time per
@@ -76,6 +87,7 @@ comparison table on stdout.  ``chainer_prefetch_bench.minibatch.plot`` draws the
 figures.
 """
 import argparse
+import contextlib
 import os
 import resource
 import shutil
@@ -97,7 +109,7 @@ METHODS = ('baseline-local', 'baseline-remote', 'baseline-local-unsized',
            'proposed-learned', 'proposed-warm',
            'proposed-warm-never', 'proposed-cold-threads',
            'prefetch-local', 'copy-then-local', 'multithread', 'torch',
-           'decode-limit')
+           'torch-local', 'decode-limit', 'decode-copy-limit')
 BATCH_SIZE = 32
 ORDER_SEED = 0
 COPIERS = 8
@@ -141,7 +153,7 @@ def _make_iterator(method, dataset, config):
     if method == 'multithread':
         return MultithreadIterator(dataset, BATCH_SIZE, n_threads=n,
                                    order_sampler=_order_sampler())
-    if method == 'torch':
+    if method in ('torch', 'torch-local'):
         return _torch_batches(dataset, n)
     raise ValueError('unknown method ' + method)
 
@@ -165,28 +177,40 @@ def _torch_batches(dataset, n_processes):
 
 
 def _decode_share(args):
-    """In a decode-limit process: reads and decodes every ``step``-th example."""
+    """In a decode-limit process: reads and decodes every ``step``-th example
+    (and with ``copy``, copies its arrays into reused memory, as
+    ``_worker.pack`` copies them into a shared buffer)."""
     import chainer
-    list_file, root, start, step, count = args
+    import numpy
+
+    from chainer_prefetch.iterators import _worker
+    list_file, root, start, step, count, copy_bytes = args
     dataset = chainer.datasets.LabeledImageDataset(list_file, root)
+    memory = None
+    if copy_bytes:  # room for the largest example, every page touched
+        memory = numpy.ones(copy_bytes + 4096, numpy.uint8)
     for index in range(start, count, step):
-        dataset[index]
+        example = dataset[index]
+        if memory is not None:
+            _worker.pack(example, memory, 0, memory.size)
     return 0
 
 
 def _decode_limit(config):
-    """Images/s of n processes that only decode their share (no iterator)."""
+    """Images/s of n processes that only decode (and copy) their share (no iterator)."""
     import multiprocessing
     count = config['n_batches'] * BATCH_SIZE
     n = config['n_processes']
-    shares = [(config['list_file'], config['local_root'], start, n, count)
-              for start in range(n)]
+    copy_bytes = (config['shared_mem']
+                  if config['method'] == 'decode-copy-limit' else 0)
+    shares = [(config['list_file'], config['local_root'], start, n, count,
+               copy_bytes) for start in range(n)]
     with multiprocessing.get_context('fork').Pool(n) as pool:
-        pool.map(_decode_share, [(a, b, 0, 1, 0) for a, b, *_ in shares])
+        pool.map(_decode_share, [(a, b, 0, 1, 0, 0) for a, b, *_ in shares])
         started = time.perf_counter()
         pool.map(_decode_share, shares, chunksize=1)
         seconds = time.perf_counter() - started
-    return {'method': 'decode-limit', 'n_processes': n,
+    return {'method': config['method'], 'n_processes': n,
             'n_copy_threads': None, 'n_batches': config['n_batches'],
             'repeat': config['repeat'], 'total_s': seconds,
             'first_batch_s': 0.0, 'copy_s': 0.0, 'cumulative_s': [seconds],
@@ -201,13 +225,13 @@ def run_one(config):
     import chainer
 
     method = config['method']
-    if method == 'decode-limit':
+    if method in ('decode-limit', 'decode-copy-limit'):
         return _decode_limit(config)
     started = time.perf_counter()
     copy_s = 0.0
     root = config['remote_root']
     if method in ('baseline-local', 'baseline-local-unsized',
-                  'prefetch-local'):
+                  'prefetch-local', 'torch-local'):
         root = config['local_root']
     elif method == 'copy-then-local':
         copy_s = copy_dataset(config['remote_root'], config['list_file'],
@@ -377,7 +401,7 @@ def print_table(summary, copy_threads):
                 item[0][0]), item[0][2] or 0)):
         remote = summary.get(('baseline-remote', n, None))
         local = summary.get(('baseline-local', n, None))
-        is_limit = method == 'decode-limit'
+        is_limit = method.endswith('-limit')
         print('{:<24} {:>5} {:>7} {:>9.2f} {:>11.3f} {:>7.1f} {:>9.1f} '
               '{:>8.0f} {:>9} {:>9}'.format(
                   method, n, threads or '-', row['total_s'],
@@ -431,25 +455,42 @@ def check_targets(summary, copy_threads):
             lines.append(('proposed-warm / baseline-local <= 1',
                           warm['total_s'] / local['total_s'], 1.0, False))
             lines.append(('own CPU per batch, proposed-warm / baseline-local'
-                          ' <= 1', warm['own_cpu_ms_per_batch']
-                          / local['own_cpu_ms_per_batch'], 1.0, False))
+                          ' <= 0.5', warm['own_cpu_ms_per_batch']
+                          / local['own_cpu_ms_per_batch'], 0.5, False))
         if cold:
             lines.append(('own CPU per batch, proposed-cold / baseline-local'
-                          ' <= 2', cold['own_cpu_ms_per_batch']
-                          / local['own_cpu_ms_per_batch'], 2.0, False))
+                          ' <= 1', cold['own_cpu_ms_per_batch']
+                          / local['own_cpu_ms_per_batch'], 1.0, False))
         limit = summary.get(('decode-limit', n, None))
-        ours_local = summary.get(('prefetch-local', n, None)) or warm
+        ours_local = warm or summary.get(('prefetch-local', n, None))
         if limit and ours_local:
-            lines.append(('images/s of ours on local files / decode limit'
-                          ' >= 0.9', ours_local['images_per_s']
-                          / limit['images_per_s'], 0.9, True))
+            lines.append(('images/s of proposed-warm / decode limit >= 0.9',
+                          ours_local['images_per_s'] / limit['images_per_s'],
+                          0.9, True))
+        copy_limit = summary.get(('decode-copy-limit', n, None))
+        if limit and copy_limit:  # no target: the bound of a copy
+            lines.append(('decode-copy-limit / decode limit (images/s)',
+                          copy_limit['images_per_s'] / limit['images_per_s'],
+                          None, True))
+        if copy_limit and ours_local:
+            lines.append(('images/s of proposed-warm / decode-copy-limit',
+                          ours_local['images_per_s']
+                          / copy_limit['images_per_s'], None, True))
+        torch_local = summary.get(('torch-local', n, None))
+        if torch_local and ours_local:
+            lines.append(('proposed-warm / torch-local time < 1',
+                          ours_local['total_s'] / torch_local['total_s'],
+                          1.0, False))
         if cold:
             lines.append(('processes proposed / baseline <= 1',
                           cold['processes'] / local['processes'], 1.0, False))
         for text, value, bound, at_least in lines:
-            met = value >= bound if at_least else value <= bound
+            verdict = ''
+            if bound is not None:
+                met = value >= bound if at_least else value <= bound
+                verdict = 'met' if met else 'MISSED'
             print('  {} processes: {:<62} {:6.2f}  {}'.format(
-                n, text, value, 'met' if met else 'MISSED'))
+                n, text, value, verdict).rstrip())
 
 
 def parse_args(argv):
@@ -488,13 +529,51 @@ def parse_args(argv):
     unknown = set(args.methods) - set(METHODS)
     if unknown:
         parser.error('unknown methods: {}'.format(', '.join(sorted(unknown))))
-    if 'torch' in args.methods and not torch_available():
-        print('note: PyTorch is not installed; skipping the torch method '
-              '(pip install torch for it)')
-        args.methods.remove('torch')
+    torch_methods = [m for m in args.methods if m.startswith('torch')]
+    if torch_methods and not torch_available():
+        print('note: PyTorch is not installed; skipping {} (pip install '
+              'torch for it)'.format(', '.join(torch_methods)))
+        args.methods = [m for m in args.methods if m not in torch_methods]
     if args.n_images is None:
         args.n_images = args.batches * BATCH_SIZE
     return args
+
+
+@contextlib.contextmanager
+def bench_environment(workdir, n_images, preset):
+    """The dataset, mounted on emulated shared storage, and the runs' common settings.
+
+    Yields ``(base config, mount)``; the mount is taken down on exit.  A run's
+    config is the base updated with ``method``, ``n_processes``,
+    ``n_copy_threads``, ``n_batches`` and ``repeat`` (see :func:`prepare_run`).
+    """
+    dataset_dir = prepare_jpeg_benchmark(workdir, n_images)
+    if dataset_dir is None:
+        raise SystemExit(2)
+    list_file = os.path.join(dataset_dir, 'train.txt')
+    mountpoint = os.path.join(workdir, 'mnt')
+    os.makedirs(mountpoint, exist_ok=True)
+    base = {'list_file': list_file, 'local_root': dataset_dir,
+            'remote_root': mountpoint,
+            'local_dir': os.path.join(workdir, 'local'),
+            'copy_target': os.path.join(workdir, 'copy'),
+            'shared_mem': largest_example_bytes(list_file, dataset_dir)}
+    try:
+        with storage.mounted(dataset_dir, mountpoint, preset=preset) as mount:
+            yield base, mount
+    finally:
+        for path in (base['local_dir'], base['copy_target']):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def prepare_run(config):
+    """Before a run: empties the local directories, fills the local
+    directory for the warm methods, and drops the dataset's page cache."""
+    for path in (config['local_dir'], config['copy_target']):
+        shutil.rmtree(path, ignore_errors=True)
+    if config['method'].startswith('proposed-warm'):
+        fill_local_dir(config)
+    drop_page_cache(config['local_root'], config['local_dir'])
 
 
 def main(argv=None):
@@ -502,33 +581,17 @@ def main(argv=None):
     if answer_child(argv, run_one):
         return 0
     args = parse_args(argv)
-    dataset_dir = prepare_jpeg_benchmark(args.workdir, args.n_images)
-    if dataset_dir is None:
-        return 2
-    list_file = os.path.join(dataset_dir, 'train.txt')
-    shared_mem = largest_example_bytes(list_file, dataset_dir)
-    mountpoint = os.path.join(args.workdir, 'mnt')
-    local_dir = os.path.join(args.workdir, 'local')
-    copy_target = os.path.join(args.workdir, 'copy')
-    os.makedirs(mountpoint, exist_ok=True)
     runs = []
-    with storage.mounted(dataset_dir, mountpoint,
-                                preset=args.preset) as mount:
-        calibration = storage.calibrate(mountpoint, readers=(1, 2, 8),
-                                               files=32)
+    with bench_environment(args.workdir, args.n_images, args.preset) as (
+            base, mount):
+        calibration = storage.calibrate(base['remote_root'],
+                                        readers=(1, 2, 8), files=32)
         print('storage ({} preset): {}'.format(args.preset, ', '.join(
             '{readers} readers {files_per_s:.0f} files/s {mb_per_s:.1f} MB/s'
             .format(**row) for row in calibration['rows'])))
         for config in plan_runs(args):
-            config.update(n_batches=args.batches, list_file=list_file,
-                          local_root=dataset_dir, remote_root=mountpoint,
-                          local_dir=local_dir, copy_target=copy_target,
-                          shared_mem=shared_mem)
-            for path in (local_dir, copy_target):
-                shutil.rmtree(path, ignore_errors=True)
-            if config['method'].startswith('proposed-warm'):
-                fill_local_dir(config)
-            drop_page_cache(dataset_dir, local_dir)
+            config.update(base, n_batches=args.batches)
+            prepare_run(config)
             daemon_cpu_before = mount.cpu_seconds()
             result = run_in_child(__spec__.name, config, args.run_timeout)
             result['storage_daemon_cpu_s'] = (mount.cpu_seconds()
@@ -540,13 +603,11 @@ def main(argv=None):
                       result['n_copy_threads'] or '-', result['repeat'],
                       result['total_s'], result['first_batch_s'],
                       result['images_per_s']), flush=True)
-    for path in (local_dir, copy_target):
-        shutil.rmtree(path, ignore_errors=True)
     report = {'command': 'python -m {} {}'.format(__spec__.name, ' '.join(argv)),
               'machine': machine_description(), 'preset': args.preset,
               'storage_params': storage.PRESETS[args.preset],
               'calibration': calibration, 'batch_size': BATCH_SIZE,
-              'baseline_shared_mem': shared_mem,
+              'baseline_shared_mem': base['shared_mem'],
               'n_images': args.n_images, 'runs': runs}
     write_json(args.out, report)
     print_table(summarize(runs), args.copy_threads)
