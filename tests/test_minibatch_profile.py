@@ -3,6 +3,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -25,6 +26,10 @@ LOADER_ROOT = ['BaseProcess.run', '_worker_main', 'load_examples',
      'watcher'),
     (LOADER_ROOT + ['tallied', 'Counter.__init__'], 'task'),
     (['_decode_share', 'DatasetMixin.__getitem__', 'get_example'], 'decode'),
+    (['worker', '_decode_share', 'pack', 'pack.<locals>.put', 'write_array'],
+     'pack'),  # decode-copy-limit's copy
+    (['worker', 'SimpleQueue.get', '_ConnectionBase.recv',
+      'Connection._recv_bytes', 'read'], 'waiting'),  # a pool's next task
 ])
 def test_loader_samples(frames, category):
     assert profile.classify(frames, 'loader') == category
@@ -79,6 +84,7 @@ def test_py_spy_raw_lines_give_processes_roles_and_counts(tmp_path):
         'LabeledImageDataset.get_example (d.py:3) 7'.format(trainer, loader),
         '{};{};_worker_main (w.py:1);pack (w.py:9) 3'.format(trainer, loader),
         '{};{};_worker_main (w.py:1);pack (w.py:9) 1'.format(trainer, loader),
+        'main (bench.py:1) 2',  # no process frame: left out
     ]) + '\n')
     samples, roles = profile.parse_raw(str(raw))
     assert roles == {10: 'trainer', 11: 'loader'}
@@ -99,15 +105,17 @@ def test_the_tree_watch_sees_children_and_keeps_their_last_counters():
         'import subprocess, sys; subprocess.run([sys.executable, "-c", '
         '"sum(range(3 * 10 ** 7))"]); sys.stdin.read()')],
         stdin=subprocess.PIPE)
+    deadline = time.monotonic() + 120
     try:
         with profile.TreeWatch(child.pid, interval=0.05) as watch:
-            while len(watch.last) < 2 and child.poll() is None:
+            while len(watch.last) < 2 and time.monotonic() < deadline:
                 watch._stop.wait(0.05)
             grandchildren = [pid for pid, c in watch.last.items()
                              if c['ppid'] == child.pid]
-            assert grandchildren
+            assert grandchildren, 'the watcher never saw the grandchild'
             while any(pid in os.listdir('/proc') for pid in
                       map(str, grandchildren)):
+                assert time.monotonic() < deadline
                 watch._stop.wait(0.05)
         busy = watch.last[grandchildren[0]]
         assert busy['user_s'] + busy['kernel_s'] > 0

@@ -56,6 +56,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -168,6 +169,8 @@ def parse_raw(path: str):
             frames = stack.split(';')
             pids = [int(re.match(r'process (\d+)', frame).group(1))
                     for frame in frames if frame.startswith('process ')]
+            if not pids:
+                continue  # a sample py-spy could not place in a process
             names = [frame.split(' (', 1)[0] for frame in frames
                      if not frame.startswith('process ')]
             pid = pids[-1]
@@ -185,11 +188,14 @@ def classify(names, role: str) -> str:
     if any(name in _BLOCKING for name in named[-3:]):
         return 'waiting'
     if role == 'loader':
+        if present & {'pack', 'write_array', 'pack_columns'}:
+            return 'pack'
         if '_decode_share' in present or any(
                 name.endswith('get_example') for name in named):
             return 'decode'
-        if present & {'pack', 'write_array', 'pack_columns'}:
-            return 'pack'
+        if 'worker' in present and present & {'_ConnectionBase.recv',
+                                               'Connection._recv_bytes'}:
+            return 'waiting'  # decode-limit's pool process, reading its next task
         if '_worker_main' in present and (
                 present & {'_send_bytes', 'Connection._send_bytes',
                            '_ConnectionBase.send', 'ForkingPickler.dumps'}):
@@ -292,12 +298,13 @@ def profile_run(config, profiler: Optional[str], rate: int, raw_path: str,
                    str(rate), '-o', raw_path, '--'] + command
     started = time.monotonic()
     spy = subprocess.Popen(command, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+                           stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
     try:
         with TreeWatch(spy.pid) as watch:
             out, err = spy.communicate(timeout=timeout)
-    except BaseException:
-        spy.kill()
+    except BaseException:  # the profiler, the run and its loaders
+        os.killpg(spy.pid, signal.SIGKILL)
         spy.wait()
         raise
     wall_s = time.monotonic() - started
@@ -311,6 +318,9 @@ def profile_run(config, profiler: Optional[str], rate: int, raw_path: str,
     else:
         trainer = min((pid for pid, counters in watch.last.items()
                        if counters['ppid'] == spy.pid), default=None)
+        if trainer is None:
+            raise RuntimeError('the run under {} ended before it could be '
+                               'watched'.format(profiler))
         watch.last.pop(spy.pid, None)
     roles = {pid: 'trainer' if pid == trainer else 'loader'
              for pid in watch.last}
@@ -357,6 +367,8 @@ def summarize(profile):
         if role == 'loader':  # not a fork server, nor decode-limit's parent
             members = [p for p in members if p['cpu_s']
                        > 0.2 * max(q['cpu_s'] for q in members)]
+        if not members:
+            continue
         n = len(members)
         row = {'processes': n}
         for key in ('alive_s', 'cpu_s', 'user_s', 'kernel_s', 'runqueue_s',
