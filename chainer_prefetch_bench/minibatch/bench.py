@@ -178,8 +178,8 @@ def _torch_batches(dataset, n_processes):
 
 def _decode_share(args):
     """In a decode-limit process: reads and decodes every ``step``-th example
-    (and with ``copy``, copies its arrays into reused memory, as
-    ``_worker.pack`` copies them into a shared buffer)."""
+    (and with ``copy_bytes``, copies its arrays into that much reused memory,
+    as ``_worker.pack`` copies them into a shared buffer)."""
     import chainer
     import numpy
 

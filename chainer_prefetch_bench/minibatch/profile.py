@@ -84,11 +84,17 @@ _CLOCK_TICKS = os.sysconf('SC_CLK_TCK')
 
 # ------------------------------------------------------------- the counters
 
+def _stat_fields(pid: int):
+    """The fields of ``/proc/PID/stat`` after the command name: field n of
+    the file is element n - 3 (raises ``OSError`` if the process is gone)."""
+    with open('/proc/{}/stat'.format(pid)) as file:
+        return file.read().rsplit(')', 1)[1].split()
+
+
 def read_counters(pid: int):
     """CPU, run-queue and fault counters of process ``pid`` (``None`` if gone)."""
     try:
-        with open('/proc/{}/stat'.format(pid)) as file:
-            fields = file.read().rsplit(')', 1)[1].split()
+        fields = _stat_fields(pid)
         run_s = wait_s = 0.0
         for task in os.listdir('/proc/{}/task'.format(pid)):
             with open('/proc/{}/task/{}/schedstat'.format(pid, task)) as file:
@@ -97,12 +103,10 @@ def read_counters(pid: int):
             wait_s += int(waiting_ns) / 1e9
     except (OSError, ValueError):
         return None
-    # fields[0] is the state; /proc/PID/stat field n is fields[n - 3].
     return {'ppid': int(fields[1]), 'minor_faults': int(fields[7]),
             'user_s': int(fields[11]) / _CLOCK_TICKS,
             'kernel_s': int(fields[12]) / _CLOCK_TICKS,
-            'start_ticks': int(fields[19]), 'on_cpu_s': run_s,
-            'runqueue_s': wait_s}
+            'on_cpu_s': run_s, 'runqueue_s': wait_s}
 
 
 class TreeWatch:
@@ -133,19 +137,20 @@ class TreeWatch:
         while not self._stop.is_set():
             now = time.monotonic()
             children = collections.defaultdict(list)
-            counters = {}
             for name in os.listdir('/proc'):
                 if name.isdigit():
-                    read = read_counters(int(name))
-                    if read is not None:
-                        counters[int(name)] = read
-                        children[read['ppid']].append(int(name))
+                    try:
+                        parent = int(_stat_fields(int(name))[1])
+                    except (OSError, ValueError, IndexError):
+                        continue
+                    children[parent].append(int(name))
             pending = [self.root]
-            while pending:
+            while pending:  # only the tree's processes are read in full
                 pid = pending.pop()
-                if pid in counters:
+                counters = read_counters(pid)
+                if counters is not None:
                     first = self.last.get(pid, {}).get('first_seen', now)
-                    self.last[pid] = dict(counters[pid], first_seen=first,
+                    self.last[pid] = dict(counters, first_seen=first,
                                           last_seen=now)
                 pending.extend(children.get(pid, ()))
             self._stop.wait(self.interval)
