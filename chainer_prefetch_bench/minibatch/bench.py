@@ -58,6 +58,19 @@ shared storage (``testbed.storage``, a real FUSE mount):
                      once, at the start): the limit of any loader whose
                      processes hand their arrays over in shared memory, as
                      Chainer's and ours do.
+``copy-limit``       No iterator: ``--copy-threads`` threads of the run's
+                     process only copy the run's files from the mount into
+                     an empty local directory (open, ``sendfile``, close;
+                     no lock, rename or check): what the kernel charges the
+                     process that makes the local copies.  Its
+                     ``own_cpu_ms_per_batch`` is what to compare.  It has
+                     no loaders: its row pools the runs made beside each
+                     loader count and holds for all of them.
+
+With ``--batches`` x 32 beyond one epoch of the dataset (``--n-images``, a
+multiple of 32), each run also reports its images/s after its first timed
+epoch (``later_images_per_s``): the steady state of a long training run,
+where the files are in the page cache and the loaders' memory is mapped.
 
 Our iterators run with their default settings (``shared_mem=None``).
 Besides time, each run reports the training process's own CPU time per
@@ -95,6 +108,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 from chainer_prefetch_bench.testbed import storage
 from chainer_prefetch_bench.testbed.machine import machine_description
@@ -109,7 +123,11 @@ METHODS = ('baseline-local', 'baseline-remote', 'baseline-local-unsized',
            'proposed-learned', 'proposed-warm',
            'proposed-warm-never', 'proposed-cold-threads',
            'prefetch-local', 'copy-then-local', 'multithread', 'torch',
-           'torch-local', 'decode-limit', 'decode-copy-limit')
+           'torch-local', 'decode-limit', 'decode-copy-limit', 'copy-limit')
+#: Methods without loader processes: run beside each loader count (so that
+#: the machine's changes spread over them too) and summarised over all
+#: their runs, as one row for every loader count.
+NO_LOADERS = ('copy-limit',)
 BATCH_SIZE = 32
 ORDER_SEED = 0
 COPIERS = 8
@@ -176,6 +194,9 @@ def _torch_batches(dataset, n_processes):
     return iter(loader)
 
 
+_copy_memory = {}  # in a decode-copy-limit process: bytes -> its reused memory
+
+
 def _decode_share(args):
     """In a decode-limit process: reads and decodes every ``step``-th example
     (and with ``copy_bytes``, copies its arrays into that much reused memory,
@@ -187,10 +208,13 @@ def _decode_share(args):
     list_file, root, start, step, count, copy_bytes = args
     dataset = chainer.datasets.LabeledImageDataset(list_file, root)
     memory = None
-    if copy_bytes:  # room for the largest example, every page touched
-        memory = numpy.ones(copy_bytes + 4096, numpy.uint8)
-    for index in range(start, count, step):
-        example = dataset[index]
+    if copy_bytes:  # room for the largest example, every page touched once
+        memory = _copy_memory.get(copy_bytes)
+        if memory is None:
+            memory = _copy_memory[copy_bytes] = numpy.ones(copy_bytes + 4096,
+                                                           numpy.uint8)
+    for index in range(start, count, step):  # (past the end: the next epoch)
+        example = dataset[index % len(dataset)]
         if memory is not None:
             _worker.pack(example, memory, 0, memory.size)
     return 0
@@ -200,24 +224,123 @@ def _decode_limit(config):
     """Images/s of n processes that only decode (and copy) their share (no iterator)."""
     import multiprocessing
     count = config['n_batches'] * BATCH_SIZE
+    epoch = min(count, _list_length(config['list_file']))
     n = config['n_processes']
     copy_bytes = (config['shared_mem']
                   if config['method'] == 'decode-copy-limit' else 0)
-    shares = [(config['list_file'], config['local_root'], start, n, count,
-               copy_bytes) for start in range(n)]
+    cumulative = []
     with multiprocessing.get_context('fork').Pool(n) as pool:
-        pool.map(_decode_share, [(a, b, 0, 1, 0, 0) for a, b, *_ in shares])
+        pool.map(_decode_share, [(config['list_file'], config['local_root'],
+                                  0, 1, 0, 0)] * n)  # (imports, untimed)
         started = time.perf_counter()
-        pool.map(_decode_share, shares, chunksize=1)
-        seconds = time.perf_counter() - started
-    return {'method': config['method'], 'n_processes': n,
-            'n_copy_threads': None, 'n_batches': config['n_batches'],
-            'repeat': config['repeat'], 'total_s': seconds,
-            'first_batch_s': 0.0, 'copy_s': 0.0, 'cumulative_s': [seconds],
-            'cpu_s': 0.0, 'own_cpu_s': 0.0, 'own_cpu_ms_per_batch': 0.0,
-            'images_per_s': count / seconds, 'peak_rss_mb_main': 0.0,
-            'peak_rss_mb_largest_child': 0.0, 'processes': n,
-            'threads_copy': 0, 'iterator_stats': None}
+        for ranges in decode_shares(count, epoch, n):  # epoch 1, the rest
+            pool.map(_decode_share, [
+                (config['list_file'], config['local_root']) + share
+                + (copy_bytes,) for share in ranges], chunksize=1)
+            cumulative.append(time.perf_counter() - started)
+    later = _later_rate(count - epoch, cumulative) if epoch % BATCH_SIZE == 0 else None
+    return dict(_no_iterator_result(config, cumulative[-1]),
+                cumulative_s=cumulative, images_per_s=count / cumulative[-1],
+                later_images_per_s=later)
+
+
+def decode_shares(count: int, epoch: int, n_processes: int) -> list:
+    """The decode limit's tasks: per part of the run (the first epoch, then
+    the rest, if any), one ``(start, step, end)`` per process.
+
+    Process ``p`` of a part from ``first`` to ``end`` takes the images
+    ``first + p``, ``first + p + n_processes``, ...: together every image
+    of ``[0, count)`` once.
+
+    Args:
+        count: Images of the run.
+        epoch: Images of the dataset (one epoch).
+        n_processes: Decoding processes.
+    """
+    parts = [(0, min(count, epoch))]
+    if count > epoch:
+        parts.append((epoch, count))
+    return [[(first + p, n_processes, end) for p in range(n_processes)]
+            for first, end in parts]
+
+
+def _list_length(list_file) -> int:
+    with open(list_file) as lines:
+        return sum(1 for line in lines if line.strip())
+
+
+def _later_rate(later_images: int, cumulative) -> Optional[float]:
+    """Images/s after the first epoch, or ``None`` if the run had one epoch.
+
+    Args:
+        later_images: Images delivered after the first epoch.
+        cumulative: Seconds from the start to the end of the first epoch,
+            then to the end of the run (more marks in between are allowed).
+    """
+    if later_images <= 0 or len(cumulative) < 2:
+        return None
+    return later_images / (cumulative[-1] - cumulative[0])
+
+
+def _no_iterator_result(config, seconds: float) -> dict:
+    """The result fields of a run without an iterator (the limits)."""
+    return {'method': config['method'], 'n_processes': config['n_processes'],
+            'n_copy_threads': config.get('n_copy_threads'),
+            'n_batches': config['n_batches'], 'repeat': config['repeat'],
+            'total_s': seconds, 'first_batch_s': 0.0, 'copy_s': 0.0,
+            'first_epoch_s': None, 'cumulative_s': [seconds], 'cpu_s': 0.0,
+            'own_cpu_s': 0.0, 'own_cpu_ms_per_batch': 0.0,
+            'images_per_s': config['n_batches'] * BATCH_SIZE / seconds,
+            'later_images_per_s': None, 'peak_rss_mb_main': 0.0,
+            'peak_rss_mb_largest_child': 0.0,
+            'processes': config['n_processes'], 'threads_copy': 0,
+            'iterator_stats': None}
+
+
+def _copy_limit(config):
+    """Copies the run's files from the mount with plain threads; the process's CPU."""
+    with open(config['list_file']) as lines:
+        relatives = [line.split()[0] for line in lines if line.strip()]
+    relatives = relatives[:config['n_batches'] * BATCH_SIZE]
+    target_root = os.path.join(config['local_dir'], 'copy-limit')
+    for folder in {os.path.dirname(relative) for relative in relatives}:
+        os.makedirs(os.path.join(target_root, folder), exist_ok=True)
+
+    def copy(relative):
+        plain_copy(os.path.join(config['remote_root'], relative),
+                   os.path.join(target_root, relative))
+
+    cpu_started = time.process_time()
+    started = time.perf_counter()
+    with ThreadPoolExecutor(config['n_copy_threads']) as pool:
+        list(pool.map(copy, relatives))
+    seconds = time.perf_counter() - started
+    own_cpu_s = time.process_time() - cpu_started
+    return dict(_no_iterator_result(config, seconds), own_cpu_s=own_cpu_s,
+                cpu_s=own_cpu_s, threads_copy=config['n_copy_threads'],
+                processes=1, images_per_s=len(relatives) / seconds,
+                own_cpu_ms_per_batch=1000 * own_cpu_s / config['n_batches'])
+
+
+def plain_copy(source: str, target: str):
+    """Copies the file ``source`` to ``target`` with ``sendfile`` and nothing else."""
+    source_fd = os.open(source, os.O_RDONLY)
+    try:
+        size = os.fstat(source_fd).st_size
+        target_fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                            0o600)
+        try:
+            offset = 0
+            while offset < size:
+                sent = os.sendfile(target_fd, source_fd, offset, size - offset)
+                if sent == 0:
+                    raise OSError('{} ended at byte {} of {}'.format(
+                        source, offset, size))
+                offset += sent
+        finally:
+            os.close(target_fd)
+    finally:
+        os.close(source_fd)
 
 
 def run_one(config):
@@ -227,6 +350,8 @@ def run_one(config):
     method = config['method']
     if method in ('decode-limit', 'decode-copy-limit'):
         return _decode_limit(config)
+    if method == 'copy-limit':
+        return _copy_limit(config)
     started = time.perf_counter()
     copy_s = 0.0
     root = config['remote_root']
@@ -267,6 +392,8 @@ def run_one(config):
             iterator.finalize()
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    epoch_batches = min(config['n_batches'], max(1, len(dataset) // BATCH_SIZE))
+    whole_batches = len(dataset) % BATCH_SIZE == 0  # (else no epoch ends at a batch)
     return {
         'method': method,
         'n_processes': config['n_processes'],
@@ -284,6 +411,10 @@ def run_one(config):
         'own_cpu_ms_per_batch': 1000 * own_cpu_s / config['n_batches'],
         'images_per_s': config['n_batches'] * BATCH_SIZE / (
             cumulative[-1] - copy_s),
+        'later_images_per_s': _later_rate(
+            (config['n_batches'] - epoch_batches) * BATCH_SIZE,
+            [cumulative[epoch_batches - 1], cumulative[-1]])
+        if whole_batches else None,
         'peak_rss_mb_main': own.ru_maxrss / 1024,
         'peak_rss_mb_largest_child': children.ru_maxrss / 1024,
         'processes': 1 + (0 if method == 'multithread' else
@@ -372,8 +503,10 @@ def summarize(runs):
     """Median per (method, processes, copy threads)."""
     groups = {}
     for run in runs:
-        key = (run['method'], run['n_processes'], run['n_copy_threads']
-               if run['method'].startswith('proposed') else None)
+        key = (run['method'],
+               None if run['method'] in NO_LOADERS else run['n_processes'],
+               run['n_copy_threads'] if run['method'].startswith('proposed')
+               else None)
         groups.setdefault(key, []).append(run)
     summary = {}
     for key, members in groups.items():
@@ -386,9 +519,19 @@ def summarize(runs):
                 r.get('own_cpu_ms_per_batch', 0.0) for r in members),
             'images_per_s': statistics.median(
                 r.get('images_per_s', 0.0) for r in members),
+            'later_images_per_s': _median_or_none(
+                r.get('later_images_per_s') for r in members),
             'processes': members[0]['processes'],
             'runs': len(members)}
     return summary
+
+
+def _median_or_none(values) -> Optional[float]:
+    """The median of ``values``, or ``None`` if any is missing."""
+    values = list(values)
+    if not values or None in values:
+        return None
+    return statistics.median(values)
 
 
 def print_table(summary, copy_threads):
@@ -397,14 +540,14 @@ def print_table(summary, copy_threads):
                          'first batch', 'CPU s', 'own ms/b', 'img/s',
                          'vs remote', 'vs local'))
     for (method, n, threads), row in sorted(
-            summary.items(), key=lambda item: (item[0][1], METHODS.index(
+            summary.items(), key=lambda item: (item[0][1] or 0, METHODS.index(
                 item[0][0]), item[0][2] or 0)):
         remote = summary.get(('baseline-remote', n, None))
         local = summary.get(('baseline-local', n, None))
         is_limit = method.endswith('-limit')
         print('{:<24} {:>5} {:>7} {:>9.2f} {:>11.3f} {:>7.1f} {:>9.1f} '
               '{:>8.0f} {:>9} {:>9}'.format(
-                  method, n, threads or '-', row['total_s'],
+                  method, n or '-', threads or '-', row['total_s'],
                   row['first_batch_s'], row['cpu_s'],
                   row['own_cpu_ms_per_batch'], row['images_per_s'],
                   '-' if is_limit else _ratio(remote, row),
@@ -426,67 +569,9 @@ def _ratio(numerator, denominator):
 def check_targets(summary, copy_threads):
     """Prints the issue's targets at every process count measured."""
     print('\nTargets (paper in brackets):')
-    for (method, n, _), local in sorted(summary.items()):
-        if method != 'baseline-local':
-            continue
-        remote = summary.get(('baseline-remote', n, None))
-        cold = summary.get(('proposed-cold', n, copy_threads))
-        user = summary.get(('proposed-cold-user', n, copy_threads))
-        warm = summary.get(('proposed-warm', n, copy_threads))
-        lines = []
-        if cold and user:
-            lines.append(('proposed-cold-user / proposed-cold <= 1.05',
-                          user['total_s'] / cold['total_s'], 1.05, False))
-        learned = summary.get(('proposed-learned', n, copy_threads))
-        if learned and warm:
-            lines.append(('proposed-learned (2nd epoch) / proposed-warm <= '
-                          '1.05', learned['total_s'] / warm['total_s'], 1.05,
-                          False))
-        if cold:
-            lines.append(('proposed-cold within 1.0x of baseline-local [6.74x]',
-                          cold['total_s'] / local['total_s'], 1.0, False))
-        if cold and remote:
-            lines += [
-                ('proposed-cold >= 2x faster than baseline-remote [1.26x]',
-                 remote['total_s'] / cold['total_s'], 2.0, True),
-                ('first batch of proposed-cold / baseline-remote <= 1 [2.1x]',
-                 cold['first_batch_s'] / remote['first_batch_s'], 1.0, False)]
-        if warm:
-            lines.append(('proposed-warm / baseline-local <= 1',
-                          warm['total_s'] / local['total_s'], 1.0, False))
-            lines.append(('own CPU per batch, proposed-warm / baseline-local'
-                          ' <= 0.5', warm['own_cpu_ms_per_batch']
-                          / local['own_cpu_ms_per_batch'], 0.5, False))
-        if cold:
-            lines.append(('own CPU per batch, proposed-cold / baseline-local'
-                          ' <= 1', cold['own_cpu_ms_per_batch']
-                          / local['own_cpu_ms_per_batch'], 1.0, False))
-        limit = summary.get(('decode-limit', n, None))
-        ours_local = warm or summary.get(('prefetch-local', n, None))
-        ours_name = 'proposed-warm' if warm else 'prefetch-local'
-        if limit and ours_local:
-            lines.append(('images/s of {} / decode limit >= 0.9'.format(
-                ours_name),
-                          ours_local['images_per_s'] / limit['images_per_s'],
-                          0.9, True))
-        copy_limit = summary.get(('decode-copy-limit', n, None))
-        if limit and copy_limit:  # no target: the bound of a copy
-            lines.append(('decode-copy-limit / decode limit (images/s)',
-                          copy_limit['images_per_s'] / limit['images_per_s'],
-                          None, True))
-        if copy_limit and ours_local:
-            lines.append(('images/s of {} / decode-copy-limit'.format(
-                ours_name),
-                          ours_local['images_per_s']
-                          / copy_limit['images_per_s'], None, True))
-        torch_local = summary.get(('torch-local', n, None))
-        if torch_local and ours_local:
-            lines.append(('{} / torch-local time < 1'.format(ours_name),
-                          ours_local['total_s'] / torch_local['total_s'],
-                          1.0, False))
-        if cold:
-            lines.append(('processes proposed / baseline <= 1',
-                          cold['processes'] / local['processes'], 1.0, False))
+    for n in sorted({n for _, n, _ in summary if n is not None}):
+        lines = (_lines_against_chainer(summary, n, copy_threads)
+                 + _lines_against_limits(summary, n, copy_threads))
         for text, value, bound, at_least in lines:
             verdict = ''
             if bound is not None:
@@ -494,6 +579,94 @@ def check_targets(summary, copy_threads):
                 verdict = 'met' if met else 'MISSED'
             print('  {} processes: {:<62} {:6.2f}  {}'.format(
                 n, text, value, verdict).rstrip())
+
+
+def _lines_against_chainer(summary, n, copy_threads) -> list:
+    """``(text, value, bound or None, at_least)`` of the targets that compare
+    with Chainer's iterator at ``n`` processes (none without baseline-local)."""
+    local = summary.get(('baseline-local', n, None))
+    if local is None:
+        return []
+    remote = summary.get(('baseline-remote', n, None))
+    cold = summary.get(('proposed-cold', n, copy_threads))
+    user = summary.get(('proposed-cold-user', n, copy_threads))
+    warm = summary.get(('proposed-warm', n, copy_threads))
+    lines = []
+    if cold and user:
+        lines.append(('proposed-cold-user / proposed-cold <= 1.05',
+                      user['total_s'] / cold['total_s'], 1.05, False))
+    learned = summary.get(('proposed-learned', n, copy_threads))
+    if learned and warm:
+        lines.append(('proposed-learned (2nd epoch) / proposed-warm <= 1.05',
+                      learned['total_s'] / warm['total_s'], 1.05, False))
+    if cold:
+        lines.append(('proposed-cold within 1.0x of baseline-local [6.74x]',
+                      cold['total_s'] / local['total_s'], 1.0, False))
+    if cold and remote:
+        lines += [
+            ('proposed-cold >= 2x faster than baseline-remote [1.26x]',
+             remote['total_s'] / cold['total_s'], 2.0, True),
+            ('first batch of proposed-cold / baseline-remote <= 1 [2.1x]',
+             cold['first_batch_s'] / remote['first_batch_s'], 1.0, False)]
+    if warm:
+        lines.append(('proposed-warm / baseline-local <= 1',
+                      warm['total_s'] / local['total_s'], 1.0, False))
+        lines.append(('own CPU per batch, proposed-warm / baseline-local'
+                      ' <= 0.5', warm['own_cpu_ms_per_batch']
+                      / local['own_cpu_ms_per_batch'], 0.5, False))
+    if cold:
+        lines.append(('own CPU per batch, proposed-cold / baseline-local'
+                      ' <= 1', cold['own_cpu_ms_per_batch']
+                      / local['own_cpu_ms_per_batch'], 1.0, False))
+        lines.append(('CPU of all processes, proposed-cold / baseline-local',
+                      cold['cpu_s'] / local['cpu_s'], None, False))
+    copies = summary.get(('copy-limit', None, None))
+    if copies and warm:  # no target: the bound of copying in-process
+        lines.append(('own CPU per batch, (proposed-warm + copy-limit) / '
+                      'baseline-local', (warm['own_cpu_ms_per_batch']
+                                         + copies['own_cpu_ms_per_batch'])
+                      / local['own_cpu_ms_per_batch'], None, False))
+    if cold:
+        lines.append(('processes proposed / baseline <= 1',
+                      cold['processes'] / local['processes'], 1.0, False))
+    return lines
+
+
+def _lines_against_limits(summary, n, copy_threads) -> list:
+    """The lines (as :func:`_lines_against_chainer`) that compare ours on
+    local files with the decode limits and PyTorch's loader."""
+    warm = summary.get(('proposed-warm', n, copy_threads))
+    ours = warm or summary.get(('prefetch-local', n, None))
+    if ours is None:
+        return []
+    name = 'proposed-warm' if warm else 'prefetch-local'
+    limit = summary.get(('decode-limit', n, None))
+    copy_limit = summary.get(('decode-copy-limit', n, None))
+    lines = []
+    if limit:
+        lines.append(('images/s of {} / decode limit >= 0.9'.format(name),
+                      ours['images_per_s'] / limit['images_per_s'], 0.9,
+                      True))
+    if limit and copy_limit:  # no target: the bound of a copy
+        lines.append(('decode-copy-limit / decode limit (images/s)',
+                      copy_limit['images_per_s'] / limit['images_per_s'],
+                      None, True))
+    if copy_limit:
+        lines.append(('images/s of {} / decode-copy-limit'.format(name),
+                      ours['images_per_s'] / copy_limit['images_per_s'],
+                      None, True))
+    for bound_name, bound in (('decode limit', limit),
+                              ('decode-copy-limit', copy_limit)):
+        if (bound and bound['later_images_per_s']
+                and ours['later_images_per_s']):
+            lines.append(('after epoch 1: images/s of {} / {}'.format(
+                name, bound_name), ours['later_images_per_s']
+                / bound['later_images_per_s'], None, True))
+    torch_local = summary.get(('torch-local', n, None))
+    if torch_local:
+        lines.append(('{} / torch-local time < 1'.format(name),
+                      ours['total_s'] / torch_local['total_s'], 1.0, False))
+    return lines
 
 
 def parse_args(argv):
