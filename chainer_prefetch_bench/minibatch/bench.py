@@ -61,8 +61,8 @@ shared storage (``testbed.storage``, a real FUSE mount):
 ``copy-limit``       No iterator: ``--copy-threads`` threads of the run's
                      process only copy the run's files from the mount into
                      an empty local directory (open, ``sendfile``, close;
-                     no lock, rename or check): what the kernel charges the
-                     process that makes the local copies.  Its
+                     no lock, rename or check): the CPU that making the
+                     local copies costs the process that makes them.  Its
                      ``own_cpu_ms_per_batch`` is what to compare.  It has
                      no loaders: its row pools the runs made beside each
                      loader count and holds for all of them.
@@ -500,7 +500,8 @@ def plan_runs(args):
 
 
 def summarize(runs):
-    """Median per (method, processes, copy threads)."""
+    """Median per (method, processes, copy threads); the processes are
+    ``None`` for the methods without loaders (:data:`NO_LOADERS`)."""
     groups = {}
     for run in runs:
         key = (run['method'],
