@@ -224,7 +224,7 @@ def _decode_limit(config):
     """Images/s of n processes that only decode (and copy) their share (no iterator)."""
     import multiprocessing
     count = config['n_batches'] * BATCH_SIZE
-    epoch = min(count, _list_length(config['list_file']))
+    epoch = min(count, len(_list_paths(config['list_file'])))
     n = config['n_processes']
     copy_bytes = (config['shared_mem']
                   if config['method'] == 'decode-copy-limit' else 0)
@@ -240,8 +240,7 @@ def _decode_limit(config):
             cumulative.append(time.perf_counter() - started)
     later = _later_rate(count - epoch, cumulative) if epoch % BATCH_SIZE == 0 else None
     return dict(_no_iterator_result(config, cumulative[-1]),
-                cumulative_s=cumulative, images_per_s=count / cumulative[-1],
-                later_images_per_s=later)
+                cumulative_s=cumulative, later_images_per_s=later)
 
 
 def decode_shares(count: int, epoch: int, n_processes: int) -> list:
@@ -264,9 +263,10 @@ def decode_shares(count: int, epoch: int, n_processes: int) -> list:
             for first, end in parts]
 
 
-def _list_length(list_file) -> int:
+def _list_paths(list_file) -> list:
+    """The image paths of a ``LabeledImageDataset`` list file, in order."""
     with open(list_file) as lines:
-        return sum(1 for line in lines if line.strip())
+        return [line.split()[0] for line in lines if line.strip()]
 
 
 def _later_rate(later_images: int, cumulative) -> Optional[float]:
@@ -299,9 +299,8 @@ def _no_iterator_result(config, seconds: float) -> dict:
 
 def _copy_limit(config):
     """Copies the run's files from the mount with plain threads; the process's CPU."""
-    with open(config['list_file']) as lines:
-        relatives = [line.split()[0] for line in lines if line.strip()]
-    relatives = relatives[:config['n_batches'] * BATCH_SIZE]
+    relatives = _list_paths(config['list_file'])[:config['n_batches']
+                                                 * BATCH_SIZE]
     target_root = os.path.join(config['local_dir'], 'copy-limit')
     for folder in {os.path.dirname(relative) for relative in relatives}:
         os.makedirs(os.path.join(target_root, folder), exist_ok=True)
@@ -427,8 +426,7 @@ def run_one(config):
 
 def copy_dataset(source_root, list_file, target_root, n_copiers):
     """Copies every file of ``list_file`` with ``n_copiers`` threads; returns seconds."""
-    with open(list_file) as lines:
-        relatives = [line.split()[0] for line in lines if line.strip()]
+    relatives = _list_paths(list_file)
     started = time.perf_counter()
 
     def copy(relative):
