@@ -137,6 +137,39 @@ def test_targets_against_the_limits_need_no_baseline():
     assert not any('baseline-local' in line for line in printed)
 
 
+def _run_with_counters(root_cpu_s, loaders_cpu_s, images=320):
+    part = {'minor_faults': 640, 'runqueue_s': 0.032, 'timeslices': 32,
+            'processes': 1}
+    return {'method': 'prefetch-local', 'n_processes': 2,
+            'n_copy_threads': None, 'total_s': 9.0, 'first_batch_s': 0.1,
+            'cpu_s': 18.0, 'images_per_s': 100.0, 'later_images_per_s': 110.0,
+            'processes': 3, 'later_counters': {
+                'images': images, 'root': dict(part, cpu_s=root_cpu_s),
+                'others': dict(part, cpu_s=loaders_cpu_s, processes=2)}}
+
+
+def test_later_counters_are_summarized_per_image_and_printed():
+    runs = [_run_with_counters(0.32, 1.6), _run_with_counters(0.64, 3.2),
+            _run_with_counters(0.96, 4.8)]
+    summary = bench.summarize(runs)
+    later = summary[('prefetch-local', 2, None)]['later_per_image']
+    assert later['root_cpu_ms'] == pytest.approx(2.0)  # 640 ms / 320 images
+    assert later['loaders_cpu_ms'] == pytest.approx(10.0)
+    assert later['faults'] == pytest.approx(4.0)  # both parts, 1280 / 320
+    assert later['timeslices'] == pytest.approx(0.2)
+    assert later['runqueue_ms'] == pytest.approx(0.2)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        bench.print_later_counters(summary)
+    [row] = [line for line in out.getvalue().splitlines()
+             if line.startswith('prefetch-local')]
+    assert row.split()[2:] == ['12.00', '10.00', '2.00', '4.0', '0.20',
+                               '0.20']
+    without = dict(runs[0], later_counters=None)  # one run without: no row
+    assert bench.summarize([without] + runs[1:])[
+        ('prefetch-local', 2, None)]['later_per_image'] is None
+
+
 @needs_fuse
 def test_limits_run_on_a_real_mount_and_time_the_later_epochs(tmp_path):
     """copy-limit copies the run's files; decode-limit over two epochs times
@@ -162,4 +195,11 @@ def test_limits_run_on_a_real_mount_and_time_the_later_epochs(tmp_path):
     assert len(marks) == 2
     assert runs['decode-limit']['later_images_per_s'] == pytest.approx(
         64 / (marks[1] - marks[0]), rel=0.01)
+    assert copies['later_counters'] is None
+    for method in ('decode-limit', 'prefetch-local'):  # one loader process
+        counters = runs[method]['later_counters']
+        assert counters['images'] == 64
+        assert counters['root']['processes'] == 1
+        assert counters['others']['processes'] == 1
+        assert counters['others']['cpu_s'] > 0  # it decoded 64 images
     assert not os.path.exists(tmp_path / 'work' / 'local')  # cleaned up

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from chainer_prefetch_bench.minibatch import profile
+from chainer_prefetch_bench.minibatch.counters import read_counters, tree_change, tree_counters
 
 LOADER_ROOT = ['BaseProcess.run', '_worker_main', 'load_examples',
                'Loader.load_examples']
@@ -93,11 +94,40 @@ def test_py_spy_raw_lines_give_processes_roles_and_counts(tmp_path):
 
 
 def test_counters_of_a_process():
-    counters = profile.read_counters(os.getpid())
+    counters = read_counters(os.getpid())
     assert counters['ppid'] == os.getppid()
     assert counters['user_s'] + counters['kernel_s'] > 0
     assert counters['on_cpu_s'] > 0 and counters['runqueue_s'] >= 0
-    assert profile.read_counters(2 ** 22 + 12345) is None  # no such process
+    assert counters['timeslices'] > 0
+    assert read_counters(2 ** 22 + 12345) is None  # no such process
+
+
+def test_the_change_of_a_tree_splits_the_root_from_its_children():
+    child = subprocess.Popen([sys.executable, '-c', (
+        'import sys\n'
+        'print(flush=True)\n'
+        'for line in sys.stdin:\n'
+        '    b"x" * (64 * 2 ** 20); sum(range(10 ** 7))\n'
+        '    print(flush=True)')],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == '\n'  # started; waits for a line
+        before = tree_counters(os.getpid())
+        assert child.pid in before and os.getpid() in before
+        child.stdin.write('go\n')
+        child.stdin.flush()
+        assert child.stdout.readline() == '\n'  # its work is done
+        after = tree_counters(os.getpid())
+    finally:
+        child.communicate('')
+    change = tree_change(before, after, os.getpid())
+    others = change['others']
+    assert others['processes'] == 1 and change['root']['processes'] == 1
+    assert others['cpu_s'] > 0.05  # ten million additions
+    assert others['minor_faults'] >= 64 * 2 ** 20 // 4096 // 2  # 64 MiB touched
+    assert others['timeslices'] >= 1  # woken by the line
+    new_only = tree_change({}, after, os.getpid())  # first seen: from zero
+    assert new_only['others']['cpu_s'] >= others['cpu_s']
 
 
 def test_the_tree_watch_sees_children_and_keeps_their_last_counters():

@@ -71,6 +71,13 @@ With ``--batches`` x 32 beyond one epoch of the dataset (``--n-images``, a
 multiple of 32), each run also reports its images/s after its first timed
 epoch (``later_images_per_s``): the steady state of a long training run,
 where the files are in the page cache and the loaders' memory is mapped.
+Those runs of the iterators and the decode limits also report what the
+kernel counted for their processes over the epochs after the first
+(``later_counters``: ``root``, the process that calls ``next()`` or runs
+the decode limit's pool, and ``others``, its loader processes; CPU time on
+a core, minor page faults, times put on a core, time runnable but waiting
+for one; see ``chainer_prefetch_bench.minibatch.counters``), printed per
+image as a second table.
 
 Our iterators run with their default settings (``shared_mem=None``).
 Besides time, each run reports the training process's own CPU time per
@@ -110,6 +117,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
+from chainer_prefetch_bench.minibatch.counters import tree_change, tree_counters
 from chainer_prefetch_bench.testbed import storage
 from chainer_prefetch_bench.testbed.machine import machine_description
 from chainer_prefetch_bench.testbed.page_cache import drop_page_cache
@@ -229,6 +237,7 @@ def _decode_limit(config):
     copy_bytes = (config['shared_mem']
                   if config['method'] == 'decode-copy-limit' else 0)
     cumulative = []
+    marks = []  # the process tree's counters at the end of each part
     with multiprocessing.get_context('fork').Pool(n) as pool:
         pool.map(_decode_share, [(config['list_file'], config['local_root'],
                                   0, 1, 0, 0)] * n)  # (imports, untimed)
@@ -238,9 +247,12 @@ def _decode_limit(config):
                 (config['list_file'], config['local_root']) + share
                 + (copy_bytes,) for share in ranges], chunksize=1)
             cumulative.append(time.perf_counter() - started)
+            marks.append(tree_counters(os.getpid()))
     later = _later_rate(count - epoch, cumulative) if epoch % BATCH_SIZE == 0 else None
     return dict(_no_iterator_result(config, cumulative[-1]),
-                cumulative_s=cumulative, later_images_per_s=later)
+                cumulative_s=cumulative, later_images_per_s=later,
+                later_counters=dict(tree_change(*marks, os.getpid()),
+                                    images=count - epoch) if later else None)
 
 
 def decode_shares(count: int, epoch: int, n_processes: int) -> list:
@@ -294,7 +306,7 @@ def _no_iterator_result(config, seconds: float) -> dict:
             'later_images_per_s': None, 'peak_rss_mb_main': 0.0,
             'peak_rss_mb_largest_child': 0.0,
             'processes': config['n_processes'], 'threads_copy': 0,
-            'iterator_stats': None}
+            'iterator_stats': None, 'later_counters': None}
 
 
 def _copy_limit(config):
@@ -372,6 +384,9 @@ def run_one(config):
     iterator = _make_iterator(method, dataset, config)
     cumulative = []
     first_epoch_s = None
+    epoch_batches = min(config['n_batches'], max(1, len(dataset) // BATCH_SIZE))
+    whole_batches = len(dataset) % BATCH_SIZE == 0  # (else no epoch ends at a batch)
+    marks = []  # the process tree's counters at the end of epoch 1 and of the run
     try:
         if method == 'proposed-learned':  # the epoch that learns, untimed
             for _ in range(config['n_batches']):
@@ -379,10 +394,13 @@ def run_one(config):
             first_epoch_s = time.perf_counter() - started
             started = time.perf_counter()
             own_cpu_started = time.process_time()
-        for _ in range(config['n_batches']):
+        for index in range(config['n_batches']):
             batch = next(iterator)
             assert len(batch) == BATCH_SIZE
             cumulative.append(time.perf_counter() - started)
+            if whole_batches and epoch_batches < config['n_batches'] and (
+                    index in (epoch_batches - 1, config['n_batches'] - 1)):
+                marks.append(tree_counters(os.getpid()))
         del batch
         own_cpu_s = time.process_time() - own_cpu_started
     finally:
@@ -391,8 +409,6 @@ def run_one(config):
             iterator.finalize()
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    epoch_batches = min(config['n_batches'], max(1, len(dataset) // BATCH_SIZE))
-    whole_batches = len(dataset) % BATCH_SIZE == 0  # (else no epoch ends at a batch)
     return {
         'method': method,
         'n_processes': config['n_processes'],
@@ -421,6 +437,9 @@ def run_one(config):
         'threads_copy': (config['n_copy_threads'] if method.startswith(
             'proposed') else COPIERS if method == 'copy-then-local' else 0),
         'iterator_stats': stats,
+        'later_counters': dict(tree_change(*marks, os.getpid()), images=(
+            config['n_batches'] - epoch_batches) * BATCH_SIZE)
+        if marks else None,
     }
 
 
@@ -520,9 +539,34 @@ def summarize(runs):
                 r.get('images_per_s', 0.0) for r in members),
             'later_images_per_s': _median_or_none(
                 r.get('later_images_per_s') for r in members),
+            'later_per_image': _later_per_image(members),
             'processes': members[0]['processes'],
             'runs': len(members)}
     return summary
+
+
+def _later_per_image(members) -> Optional[dict]:
+    """Medians over runs of the later epochs' counters per image, or
+    ``None`` if a run has none (``later_counters`` of
+    :func:`run_one`): ``root_cpu_ms``, ``loaders_cpu_ms``,
+    ``faults`` (all processes), ``timeslices`` (all processes),
+    ``runqueue_ms`` (all processes, time runnable without a core)."""
+    per_run = []
+    for run in members:
+        counters = run.get('later_counters')
+        if not counters or not run.get('later_images_per_s'):
+            return None
+        images = counters['images']
+        root, others = counters['root'], counters['others']
+        per_run.append({
+            'root_cpu_ms': 1000 * root['cpu_s'] / images,
+            'loaders_cpu_ms': 1000 * others['cpu_s'] / images,
+            'faults': (root['minor_faults'] + others['minor_faults']) / images,
+            'timeslices': (root['timeslices'] + others['timeslices']) / images,
+            'runqueue_ms': 1000 * (root['runqueue_s'] + others['runqueue_s'])
+            / images})
+    return {field: statistics.median(run[field] for run in per_run)
+            for field in per_run[0]}
 
 
 def _median_or_none(values) -> Optional[float]:
@@ -538,9 +582,7 @@ def print_table(summary, copy_threads):
           '{:>9}'.format('method', 'procs', 'threads', 'total s',
                          'first batch', 'CPU s', 'own ms/b', 'img/s',
                          'vs remote', 'vs local'))
-    for (method, n, threads), row in sorted(
-            summary.items(), key=lambda item: (item[0][1] or 0, METHODS.index(
-                item[0][0]), item[0][2] or 0)):
+    for (method, n, threads), row in _ordered(summary):
         remote = summary.get(('baseline-remote', n, None))
         local = summary.get(('baseline-local', n, None))
         is_limit = method.endswith('-limit')
@@ -556,7 +598,39 @@ def print_table(summary, copy_threads):
           'local speed); "own ms/b": CPU time of the training process per '
           'batch; the baselines\' shared_mem is sized for the largest '
           'example unless "-unsized".')
+    print_later_counters(summary)
     check_targets(summary, copy_threads)
+
+
+def _ordered(summary):
+    """The summary's rows by loader count, then method, then copy threads."""
+    return sorted(summary.items(), key=lambda item: (
+        item[0][1] or 0, METHODS.index(item[0][0]), item[0][2] or 0))
+
+
+def print_later_counters(summary):
+    """Prints the kernel's counters per image after the first epoch, for
+    the rows that have them."""
+    rows = [(key, row['later_per_image']) for key, row in _ordered(summary)
+            if row['later_per_image']]
+    if not rows:
+        return
+    print('\nAfter the first epoch, per image (medians):\n{:<24} {:>5} {:>9} '
+          '{:>10} {:>7} {:>7} {:>9} {:>8}'.format(
+              'method', 'procs', 'CPU ms', 'of loaders', 'main', 'faults',
+              'on-core', 'queue ms'))
+    for (method, n, _), later in rows:
+        print('{:<24} {:>5} {:>9.2f} {:>10.2f} {:>7.2f} {:>7.1f} {:>9.2f} '
+              '{:>8.2f}'.format(
+                  method, n or '-',
+                  later['root_cpu_ms'] + later['loaders_cpu_ms'],
+                  later['loaders_cpu_ms'], later['root_cpu_ms'],
+                  later['faults'], later['timeslices'],
+                  later['runqueue_ms']))
+    print('"main": the process that calls next() (a decode limit\'s: the '
+          'one that hands out the shares); "faults": minor page faults, '
+          '"on-core": times a process was put on a core, "queue ms": time '
+          'runnable without a core, all processes.')
 
 
 def _ratio(numerator, denominator):

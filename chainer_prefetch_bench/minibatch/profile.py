@@ -64,6 +64,7 @@ import time
 from typing import Optional
 
 from chainer_prefetch_bench.minibatch import bench
+from chainer_prefetch_bench.minibatch.counters import tree_counters
 from chainer_prefetch_bench.testbed.machine import machine_description
 from chainer_prefetch_bench.testbed.report import write_json
 
@@ -79,35 +80,9 @@ _BLOCKING = frozenset((
     'PyThread_acquire_lock_timed', 'lock_PyThread_acquire_lock',
     '_queue_SimpleQueue_get_impl', 'do_futex_wait', 'futex_wait',
     'waitpid', 'os_waitpid_impl', 'accept', 'sock_accept'))
-_CLOCK_TICKS = os.sysconf('SC_CLK_TCK')
 
 
 # ------------------------------------------------------------- the counters
-
-def _stat_fields(pid: int):
-    """The fields of ``/proc/PID/stat`` after the command name: field n of
-    the file is element n - 3 (raises ``OSError`` if the process is gone)."""
-    with open('/proc/{}/stat'.format(pid)) as file:
-        return file.read().rsplit(')', 1)[1].split()
-
-
-def read_counters(pid: int):
-    """CPU, run-queue and fault counters of process ``pid`` (``None`` if gone)."""
-    try:
-        fields = _stat_fields(pid)
-        run_s = wait_s = 0.0
-        for task in os.listdir('/proc/{}/task'.format(pid)):
-            with open('/proc/{}/task/{}/schedstat'.format(pid, task)) as file:
-                on_cpu_ns, waiting_ns, _ = file.read().split()
-            run_s += int(on_cpu_ns) / 1e9
-            wait_s += int(waiting_ns) / 1e9
-    except (OSError, ValueError):
-        return None
-    return {'ppid': int(fields[1]), 'minor_faults': int(fields[7]),
-            'user_s': int(fields[11]) / _CLOCK_TICKS,
-            'kernel_s': int(fields[12]) / _CLOCK_TICKS,
-            'on_cpu_s': run_s, 'runqueue_s': wait_s}
-
 
 class TreeWatch:
     """Keeps the last counters of every process under ``root`` until stopped.
@@ -136,23 +111,10 @@ class TreeWatch:
     def _watch(self):
         while not self._stop.is_set():
             now = time.monotonic()
-            children = collections.defaultdict(list)
-            for name in os.listdir('/proc'):
-                if name.isdigit():
-                    try:
-                        parent = int(_stat_fields(int(name))[1])
-                    except (OSError, ValueError, IndexError):
-                        continue
-                    children[parent].append(int(name))
-            pending = [self.root]
-            while pending:  # only the tree's processes are read in full
-                pid = pending.pop()
-                counters = read_counters(pid)
-                if counters is not None:
-                    first = self.last.get(pid, {}).get('first_seen', now)
-                    self.last[pid] = dict(counters, first_seen=first,
-                                          last_seen=now)
-                pending.extend(children.get(pid, ()))
+            for pid, counters in tree_counters(self.root).items():
+                first = self.last.get(pid, {}).get('first_seen', now)
+                self.last[pid] = dict(counters, first_seen=first,
+                                      last_seen=now)
             self._stop.wait(self.interval)
 
 
