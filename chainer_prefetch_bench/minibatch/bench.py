@@ -66,6 +66,11 @@ shared storage (``testbed.storage``, a real FUSE mount):
                      ``own_cpu_ms_per_batch`` is what to compare.  It has
                      no loaders: its row pools the runs made beside each
                      loader count and holds for all of them.
+``stage-limit``      copy-limit with our copy and its guarantees instead of
+                     the plain one (``LocalDirectory.stage``: a ``.part``
+                     file under a lock, the copy compared with its source's
+                     size, its time stamped, the rename into place) and
+                     nothing of the pipeline around it.
 
 With ``--batches`` x 32 beyond one epoch of the dataset (``--n-images``, a
 multiple of 32), each run also reports its images/s after its first timed
@@ -131,11 +136,12 @@ METHODS = ('baseline-local', 'baseline-remote', 'baseline-local-unsized',
            'proposed-learned', 'proposed-warm',
            'proposed-warm-never', 'proposed-cold-threads',
            'prefetch-local', 'copy-then-local', 'multithread', 'torch',
-           'torch-local', 'decode-limit', 'decode-copy-limit', 'copy-limit')
+           'torch-local', 'decode-limit', 'decode-copy-limit', 'copy-limit',
+           'stage-limit')
 #: Methods without loader processes: run beside each loader count (so that
 #: the machine's changes spread over them too) and summarised over all
 #: their runs, as one row for every loader count.
-NO_LOADERS = ('copy-limit',)
+NO_LOADERS = ('copy-limit', 'stage-limit')
 BATCH_SIZE = 32
 ORDER_SEED = 0
 COPIERS = 8
@@ -310,16 +316,25 @@ def _no_iterator_result(config, seconds: float) -> dict:
 
 
 def _copy_limit(config):
-    """Copies the run's files from the mount with plain threads; the process's CPU."""
+    """Copies the run's files from the mount with plain threads (``stage-limit``:
+    with ``LocalDirectory.stage``); the process's CPU."""
+    from chainer_prefetch.staging.local_directory import LocalDirectory
+
     relatives = _list_paths(config['list_file'])[:config['n_batches']
                                                  * BATCH_SIZE]
-    target_root = os.path.join(config['local_dir'], 'copy-limit')
-    for folder in {os.path.dirname(relative) for relative in relatives}:
-        os.makedirs(os.path.join(target_root, folder), exist_ok=True)
+    target_root = os.path.join(config['local_dir'], config['method'])
+    if config['method'] == 'stage-limit':
+        directory = LocalDirectory(target_root)
 
-    def copy(relative):
-        plain_copy(os.path.join(config['remote_root'], relative),
-                   os.path.join(target_root, relative))
+        def copy(relative):
+            directory.stage(os.path.join(config['remote_root'], relative))
+    else:
+        for folder in {os.path.dirname(relative) for relative in relatives}:
+            os.makedirs(os.path.join(target_root, folder), exist_ok=True)
+
+        def copy(relative):
+            plain_copy(os.path.join(config['remote_root'], relative),
+                       os.path.join(target_root, relative))
 
     cpu_started = time.process_time()
     started = time.perf_counter()
@@ -361,7 +376,7 @@ def run_one(config):
     method = config['method']
     if method in ('decode-limit', 'decode-copy-limit'):
         return _decode_limit(config)
-    if method == 'copy-limit':
+    if method in NO_LOADERS:
         return _copy_limit(config)
     started = time.perf_counter()
     copy_s = 0.0
@@ -693,12 +708,14 @@ def _lines_against_chainer(summary, n, copy_threads) -> list:
                       / local['own_cpu_ms_per_batch'], 1.0, False))
         lines.append(('CPU of all processes, proposed-cold / baseline-local',
                       cold['cpu_s'] / local['cpu_s'], None, False))
-    copies = summary.get(('copy-limit', None, None))
-    if copies and warm:  # no target: the bound of copying in-process
-        lines.append(('own CPU per batch, (proposed-warm + copy-limit) / '
-                      'baseline-local', (warm['own_cpu_ms_per_batch']
-                                         + copies['own_cpu_ms_per_batch'])
-                      / local['own_cpu_ms_per_batch'], None, False))
+    for copies_name in NO_LOADERS:  # no target: bounds of copying in-process
+        copies = summary.get((copies_name, None, None))
+        if copies and warm:
+            lines.append(('own CPU per batch, (proposed-warm + {}) / '
+                          'baseline-local'.format(copies_name),
+                          (warm['own_cpu_ms_per_batch']
+                           + copies['own_cpu_ms_per_batch'])
+                          / local['own_cpu_ms_per_batch'], None, False))
     if cold:
         lines.append(('processes proposed / baseline <= 1',
                       cold['processes'] / local['processes'], 1.0, False))
