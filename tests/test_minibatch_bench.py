@@ -142,7 +142,7 @@ def test_targets_against_the_limits_need_no_baseline():
 
 def _run_with_counters(root_cpu_s, loaders_cpu_s, images=320):
     part = {'minor_faults': 640, 'runqueue_s': 0.032, 'timeslices': 32,
-            'processes': 1}
+            'processes': 1, 'gone': 0}
     return {'method': 'prefetch-local', 'n_processes': 2,
             'n_copy_threads': None, 'total_s': 9.0, 'first_batch_s': 0.1,
             'cpu_s': 18.0, 'images_per_s': 100.0, 'later_images_per_s': 110.0,
@@ -170,6 +170,10 @@ def test_later_counters_are_summarized_per_image_and_printed():
                                '0.20']
     without = dict(runs[0], later_counters=None)  # one run without: no row
     assert bench.summarize([without] + runs[1:])[
+        ('prefetch-local', 2, None)]['later_per_image'] is None
+    ended = _run_with_counters(0.32, 1.6)  # a loader ended in between
+    ended['later_counters']['others']['gone'] = 1
+    assert bench.summarize([ended] + runs[1:])[
         ('prefetch-local', 2, None)]['later_per_image'] is None
 
 

@@ -213,7 +213,8 @@ def _picklable(error: BaseException) -> BaseException:
 #: every buffer sooner or later, and faulting them in one by one there cost
 #: 114 faults per 2.3 MB example at 16 loaders (populated: 21, about 0.2 ms
 #: of a loader's CPU less per example).  The pages are the buffer's own,
-#: which :meth:`._executor.SharedBuffers.allocate` already bounds.
+#: which :meth:`._executor.SharedBuffers.allocate` already bounds.  (Python
+#: 3.9's ``mmap`` lacks the flag: there the pages are faulted in as written.)
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, 'MAP_POPULATE', 0)
 
 

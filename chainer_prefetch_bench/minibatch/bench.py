@@ -79,10 +79,11 @@ where the files are in the page cache and the loaders' memory is mapped.
 Those runs of the iterators and the decode limits also report what the
 kernel counted for their processes over the epochs after the first
 (``later_counters``: ``root``, the process that calls ``next()`` or runs
-the decode limit's pool, and ``others``, its loader processes; CPU time on
-a core, minor page faults, times put on a core, time runnable but waiting
+the decode limit's pool, and ``others``, its descendants: the loader
+processes, and helpers such as multiprocessing's resource tracker; CPU
+time, minor page faults, times put on a core, time runnable but waiting
 for one; see ``chainer_prefetch_bench.minibatch.counters``), printed per
-image as a second table.
+image as a second table (not for a run in which one of them ended).
 
 Our iterators run with their default settings (``shared_mem=None``).
 Besides time, each run reports the training process's own CPU time per
@@ -120,7 +121,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from typing import Optional, Tuple
 
 from chainer_prefetch_bench.minibatch.counters import tree_change, tree_counters
 from chainer_prefetch_bench.testbed import storage
@@ -253,12 +254,20 @@ def _decode_limit(config):
                 (config['list_file'], config['local_root']) + share
                 + (copy_bytes,) for share in ranges], chunksize=1)
             cumulative.append(time.perf_counter() - started)
-            marks.append(tree_counters(os.getpid()))
+            started += _look(marks)[0]  # (not the run's time)
     later = _later_rate(count - epoch, cumulative) if epoch % BATCH_SIZE == 0 else None
     return dict(_no_iterator_result(config, cumulative[-1]),
                 cumulative_s=cumulative, later_images_per_s=later,
                 later_counters=dict(tree_change(*marks, os.getpid()),
                                     images=count - epoch) if later else None)
+
+
+def _look(marks: list) -> Tuple[float, float]:
+    """Appends the counters of this process's tree to ``marks``; returns the
+    seconds and the CPU seconds of this process that reading them took."""
+    started, cpu_started = time.perf_counter(), time.process_time()
+    marks.append(tree_counters(os.getpid()))
+    return time.perf_counter() - started, time.process_time() - cpu_started
 
 
 def decode_shares(count: int, epoch: int, n_processes: int) -> list:
@@ -415,7 +424,9 @@ def run_one(config):
             cumulative.append(time.perf_counter() - started)
             if whole_batches and epoch_batches < config['n_batches'] and (
                     index in (epoch_batches - 1, config['n_batches'] - 1)):
-                marks.append(tree_counters(os.getpid()))
+                seconds, cpu_s = _look(marks)
+                started += seconds  # (the look is neither time nor CPU of the run)
+                own_cpu_started += cpu_s
         del batch
         own_cpu_s = time.process_time() - own_cpu_started
     finally:
@@ -569,8 +580,10 @@ def _later_per_image(members) -> Optional[dict]:
     per_run = []
     for run in members:
         counters = run.get('later_counters')
-        if not counters or not run.get('later_images_per_s'):
-            return None
+        if (not counters or not run.get('later_images_per_s')
+                or counters['root']['processes'] != 1
+                or counters['root'].get('gone') or counters['others'].get('gone')):
+            return None  # (a process ended in between: its share is missing)
         images = counters['images']
         root, others = counters['root'], counters['others']
         per_run.append({
