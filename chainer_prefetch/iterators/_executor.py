@@ -178,8 +178,8 @@ class SharedBuffers:
         """Allocates ``buffer``; returns why not (``None`` if allocated).
 
         Refused when it would take more than half of the memory available
-        now (its pages are taken when the first loader process maps it, and
-        running out then would bring the out-of-memory killer).
+        now (its pages are touched only as examples are written, and running
+        out then would bring the out-of-memory killer).
         """
         size = example_bytes * batch_size
         available = available_memory()

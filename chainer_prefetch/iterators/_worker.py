@@ -209,21 +209,12 @@ def _picklable(error: BaseException) -> BaseException:
         return RuntimeError('{}: {}'.format(type(error).__name__, error))
 
 
-#: Maps a batch buffer with its pages at once: every loader writes into
-#: every buffer sooner or later, and faulting them in one by one there cost
-#: 114 faults per 2.3 MB example at 16 loaders (populated: 21, about 0.2 ms
-#: of a loader's CPU less per example).  The pages are the buffer's own,
-#: which :meth:`._executor.SharedBuffers.allocate` already bounds.  (Python
-#: 3.9's ``mmap`` lacks the flag: there the pages are faulted in as written.)
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, 'MAP_POPULATE', 0)
-
-
 def _buffer(key) -> numpy.ndarray:
     buffer = _buffers.get(key)
     if buffer is None:
         fd = _worker_pool.shared_fd(key)
         buffer = _buffers[key] = numpy.frombuffer(
-            mmap.mmap(fd, os.fstat(fd).st_size, flags=_MAP_FLAGS), numpy.uint8)
+            mmap.mmap(fd, os.fstat(fd).st_size), numpy.uint8)
     return buffer
 
 
