@@ -573,8 +573,8 @@ def summarize(runs):
 
 def _later_per_image(members) -> Optional[dict]:
     """Medians over runs of the later epochs' counters per image, or
-    ``None`` if a run has none (``later_counters`` of
-    :func:`run_one`): ``root_cpu_ms``, ``loaders_cpu_ms``,
+    ``None`` if a run has none (``later_counters`` of :func:`run_one`) or
+    one of its processes ended in between: ``root_cpu_ms``, ``loaders_cpu_ms``,
     ``faults`` (all processes), ``timeslices`` (all processes),
     ``runqueue_ms`` (all processes, time runnable without a core)."""
     per_run = []
