@@ -7,6 +7,7 @@ falls within three epochs whatever the random crops and initialisation.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -196,3 +197,54 @@ def test_defaults_share_the_cores_and_leave_the_run_uninstrumented(tmp_path):
     assert 'Pinned copy: pass-through (CPU device: nothing to copy)' in output
     assert not list(out.glob('time_breakdown_rank*.json'))
     assert not any(key.startswith('time/') for key in log[0])
+
+
+@pytest.mark.slow
+def test_shuffle_across_ranks_with_peers_on_two_simulated_nodes(tmp_path):
+    """Two ranks, each its own "node" (its own local directory, one MPI
+    application context each): every file comes from shared storage about
+    once per job, the rest from the other node; a snapshot written by rank
+    0 resumes both ranks."""
+    data = tmp_path / 'data'
+    train_list, val_list = helpers.make_colour_dataset(str(data))
+    out = tmp_path / 'out'
+
+    def run(*options):
+        common = [train_list, val_list, '--root', str(data), '--out',
+                  str(out), '--arch', 'tiny', '--crop-size', '32',
+                  '--batchsize', '8', '--val_batchsize', '16',
+                  '--loaderjob', '1', '--copy-threads', '2',
+                  '--shuffle-across-ranks', '--peers'] + list(options)
+        command = [mpi_launch.mpiexec_path(), '--oversubscribe', '--bind-to',
+                   'none']
+        for node in ('a', 'b'):
+            if node == 'b':
+                command.append(':')
+            command += ['-n', '1', sys.executable, mpi_launch.TRAIN_SCRIPT] + \
+                common + ['--local-dir', str(tmp_path / node)]
+        output = helpers.run_mpi(command, str(tmp_path), TIMEOUT)
+        with open(str(out / 'log')) as f:
+            return json.load(f), output
+
+    log, output = run('--epoch', '2')
+    assert [entry['epoch'] for entry in log] == [1, 2], output[-3000:]
+    reports = [line for line in output.splitlines()
+               if ' bytes from peers ' in line]
+    assert len(reports) == 2, output[-3000:]
+    from_source = sum(int(re.search(r'(\d+) bytes from shared', line)
+                          .group(1)) for line in reports)
+    from_peers = sum(int(re.search(r'(\d+) bytes from peers', line)
+                         .group(1)) for line in reports)
+    with open(train_list) as f:
+        dataset_bytes = sum(os.path.getsize(os.path.join(
+            str(data), line.split()[0])) for line in f)
+    assert from_peers > 0, output[-3000:]
+    # Each file once from shared storage (a few twice: read by one node
+    # before the other had finished its copy), never once per node.
+    assert from_source < 1.5 * dataset_bytes, (from_source, dataset_bytes)
+    assert from_source + from_peers >= dataset_bytes
+    assert 'peers down: none' in reports[0] and 'peers down: none' in reports[1]
+    log, output = run('--epoch', '3', '--resume',
+                      str(out / 'snapshot_epoch_2'))
+    assert [entry['epoch'] for entry in log] == [1, 2, 3], output[-3000:]
+    assert log[2]['iteration'] == 3 * log[0]['iteration']

@@ -481,7 +481,7 @@ class Executor:
         """
         with source_ops.tallied() as asked:
             result = self._store.stage(action.item, sources, action.access,
-                                       action.check_epoch)
+                                       action.check_epoch, action.epoch)
         asked.update(asked_ahead or {})
         return s.Copied(action.copy_id, action.item, result.staged,
                         result.bytes_read, result.evicted, action.epoch,

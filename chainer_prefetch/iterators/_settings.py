@@ -51,6 +51,7 @@ class IteratorSettings:
     recheck_sources: str = 'directories'
     columnar: Optional[bool] = None
     loader_threads: bool = False
+    peers: Any = None
 
     def __post_init__(self):
         object.__setattr__(self, 'local_dir', _local_dir(self.local_dir))
@@ -82,6 +83,11 @@ class IteratorSettings:
                         'with loader_threads=True'.format(name))
             # Loader threads hand batches over in this process's memory.
             object.__setattr__(self, 'shared_mem', 0)
+        if self.peers is not None and (self.local_dir is None
+                                       or self.local_dir == MEMORY):
+            raise ValueError('peers copy files into a local directory: give '
+                             'local_dir a directory, got {!r}'.format(
+                                 self.local_dir))
         if self.recheck_sources not in RECHECK:
             raise ValueError('recheck_sources must be one of {}, got {!r}'
                              .format(', '.join(RECHECK), self.recheck_sources))

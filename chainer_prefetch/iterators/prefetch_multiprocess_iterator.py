@@ -26,6 +26,7 @@ from chainer_prefetch.staging.local_directory import LocalDirectory
 from chainer_prefetch.staging.local_memory import MEMORY, LocalMemory
 from chainer_prefetch.staging.local_store import STORE_COUNTERS, LocalStore
 from chainer_prefetch.staging.open_watch import OpenCheck
+from chainer_prefetch.staging.peers import make_lookup
 from chainer_prefetch.staging.source_checks import SourceChecks
 from chainer_prefetch.staging.source_ops import SOURCE_OPS, tallied
 from chainer_prefetch.staging.sources import as_source
@@ -136,6 +137,11 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             GIL (columnar batches of a
             :class:`~chainer_prefetch.datasets.ParquetDataset`).  Not with
             ``maxtasksperchild`` or ``shared_mem``.
+        peers (~chainer_prefetch.PeerGroup): Copy each file from the node
+            that trained on its example in an earlier epoch, before shared
+            storage (with ``order_sampler=ShuffleAcrossRanks(...)``, whose
+            ``holders`` the group was made with); needs ``local_dir``.  See
+            ``docs/peers.rst``.
 
     Raises:
         ValueError: An option is out of range, two options do not combine,
@@ -156,6 +162,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
     _learned = None  # index -> files the loaders saw it open (to be staged)
     _early_copies = None  # copies of those files made while they are learned
     _store = None
+    _lookup = None  # what the peer server answers with, while this one serves
 
     def __init__(self, dataset, batch_size, repeat=True, shuffle=None,
                  n_processes=None, n_prefetch=1, shared_mem=None,
@@ -164,13 +171,13 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                  n_copy_ahead=16, local_capacity=None,
                  eviction_policy='belady', next_epoch_cache_examples=None,
                  next_epoch_cache_bytes=None, recheck_sources='directories',
-                 columnar=None, loader_threads=False):
+                 columnar=None, loader_threads=False, peers=None):
         self.settings = IteratorSettings(
             dataset, batch_size, repeat, shuffle, n_processes, n_prefetch,
             shared_mem, order_sampler, dataset_timeout, maxtasksperchild,
             local_dir, n_copy_threads, n_copy_ahead, local_capacity,
             eviction_policy, next_epoch_cache_examples, next_epoch_cache_bytes,
-            recheck_sources, columnar, loader_threads)
+            recheck_sources, columnar, loader_threads, peers)
         self._initialize()
         self.reset()
 
@@ -205,9 +212,17 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         self._staging_warnings = list(_settings.local_dir_warnings(
             settings.local_dir))
         self._warned_findings = set()
+        self._lookup = None
         if settings.local_dir is None:
             return
         files = resolve_dataset_files(settings.dataset)
+        if files is None and settings.peers is not None:
+            self._warn_staging(
+                '{} names no files per example, so no peer is asked for '
+                'them (peers need a dataset whose files the iterator finds '
+                'before training: docs/staging.rst)'.format(
+                    type(settings.dataset).__name__),
+                stacklevel=4)
         if files is None:
             # Nothing known to stage: the loaders tell what it opens, and
             # what they tell is staged from the next epoch on.
@@ -241,13 +256,37 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                          else LocalDirectory(settings.local_dir, self._stop_event))
             sources_of = ItemSources(files, item_of)
             try:
+                peers = settings.peers if item_of is None else None
                 self._store = LocalStore(
                     directory, settings.local_capacity,
                     settings.eviction_policy, sources_of,
                     SourceChecks(settings.recheck_sources,
                                  len(settings.dataset) if item_of is None
                                  else int(item_of.max()) + 1 if len(item_of)
-                                 else 0))
+                                 else 0), peers)
+                if peers is not None:
+                    self._lookup = make_lookup(sources_of,
+                                               directory.local_path)
+                    peers.serve(self._lookup)
+                    if getattr(peers.holders, '__self__', None) not in (
+                            None, settings.order_sampler):
+                        self._warn_staging(
+                            'the PeerGroup was made with the holders of '
+                            'another order sampler than this iterator\'s: '
+                            'the nodes it asks did not train on these '
+                            'examples, and each file is read from shared '
+                            'storage after a refusal.  Make it with '
+                            'PeerGroup.join(comm, local_dir, '
+                            'sampler.holders) of the sampler given as '
+                            'order_sampler (docs/peers.rst)',
+                            stacklevel=stacklevel + 1)
+                elif settings.peers is not None:
+                    self._warn_staging(
+                        '{}: several examples share files, so no peer is '
+                        'asked for them (peers copy the files of one example '
+                        'at a time; docs/peers.rst)'.format(
+                            type(settings.dataset).__name__),
+                        stacklevel=stacklevel + 1)
             except BaseException:
                 directory.close()
                 raise
@@ -501,6 +540,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                                       for name in _EPOCH_COUNTS}
                               for epoch in epochs}
         values['next_epoch_cache'] = cache
+        values['peers'] = (None if self.settings.peers is None
+                           else self.settings.peers.stats())
         values['batches'] = self._batches_delivered
         values['consumer_wait_seconds'] = self._consumer_wait_seconds
         values['first_batch_seconds'] = self._first_batch_seconds
@@ -523,6 +564,10 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             self._store.close()
         if self._early_copies is not None:
             self._early_copies.close()
+        if self._lookup is not None:
+            peers = self.settings.peers
+            if peers.server is not None and peers.server.lookup is self._lookup:
+                peers.serve(None)
 
     def __copy__(self):
         other = PrefetchMultiprocessIterator.__new__(PrefetchMultiprocessIterator)
@@ -565,15 +610,21 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         current_position = serializer('current_position', self.current_position)
         epoch = serializer('epoch', self.epoch)
         is_new_epoch = serializer('is_new_epoch', self.is_new_epoch)
+        loading = isinstance(serializer, chainer.serializer.Deserializer)
+        order_of_epoch = getattr(self.settings.order_sampler,
+                                 'order_of_epoch', None)
         order = self._state.order
-        if order is not None:
+        if order is not None and loading and order_of_epoch is not None:
+            order = _own_order(serializer, order_of_epoch, int(epoch),
+                               int(current_position))
+        elif order is not None:
             order = order.copy()
             try:
                 serializer('order', order)
             except KeyError:
                 serializer('_order', order)
         next_order = self._state.next_order
-        if isinstance(serializer, chainer.serializer.Deserializer):
+        if loading:
             # Read into nothing: a state without it (a MultiprocessIterator
             # snapshot, or a partial state read with strict=False) draws it
             # again from the order read, never keeps the one drawn before.
@@ -584,6 +635,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             next_order = serializer('next_order', next_order)
         except KeyError:
             next_order = None
+        if loading and order_of_epoch is not None:
+            next_order = None  # drawn again from this rank's order
         self._reset_state(current_position, epoch, is_new_epoch, order,
                           next_order)
         try:
@@ -684,6 +737,30 @@ _ACCESS_COUNTS = ('examples_staged', 'examples_not_staged',
 _EPOCH_COUNTS = ('examples_from_local', 'examples_from_source',
                  'examples_from_cache', 'bytes_from_source', 'bytes_copied'
                  ) + SOURCE_OPS
+
+
+def _own_order(serializer, order_of_epoch, epoch: int, position: int):
+    """This rank's order of ``epoch`` from its sampler (``order_of_epoch``,
+    e.g. :class:`~chainer_prefetch.ShuffleAcrossRanks`), not the snapshot's:
+    every rank may load the snapshot rank 0 wrote.
+
+    Raises:
+        ValueError: the snapshot was taken inside an epoch of another length
+            (another number of ranks): its position means other examples.
+    """
+    order = order_of_epoch(epoch)
+    try:
+        saved = serializer('order', None)
+    except KeyError:
+        saved = None
+    if saved is not None and len(saved) != len(order) and position:
+        raise ValueError(
+            'the snapshot was taken at position {} of an epoch of {} examples '
+            'per rank, and this job has {} per rank (another number of '
+            'ranks): resume it with the same number of ranks, or from a '
+            'snapshot taken at the end of an epoch'.format(
+                position, len(saved), len(order)))
+    return order
 
 
 def _added(first, second):

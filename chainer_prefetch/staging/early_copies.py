@@ -28,8 +28,8 @@ from chainer_prefetch.errors import (
     SourceFileError,
 )
 from chainer_prefetch.staging.checks import check_apart
+from chainer_prefetch.staging.counters import Counters
 from chainer_prefetch.staging.local_directory import LocalDirectory
-from chainer_prefetch.staging.local_store import Counters
 from chainer_prefetch.staging.source_ops import SOURCE_OPS, tallied
 from chainer_prefetch.staging.sources import as_source
 

@@ -39,34 +39,12 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from chainer_prefetch.errors import CopyLockTimeout, LocalStorageError, SourceFileError
 from chainer_prefetch.policy.eviction import make_strategy
+from chainer_prefetch.staging.counters import Counters
 from chainer_prefetch.staging.local_directory import LocalDirectory
 from chainer_prefetch.staging.local_memory import LocalMemory
+from chainer_prefetch.staging.peers import PeerCopy
 from chainer_prefetch.staging.source_checks import SourceChecks
-from chainer_prefetch.staging.sources import Source
-
-
-class Counters:
-    """Counters updated from several threads; read a consistent copy with :meth:`snapshot`.
-
-    Args:
-        names: The counters, all starting at 0.
-    """
-
-    def __init__(self, names: Sequence[str]):
-        self._lock = threading.Lock()
-        self._values = dict.fromkeys(names, 0)
-
-    def add(self, **amounts):
-        """Adds to counters, e.g. ``add(files_copied=1, bytes_copied=n)``."""
-        with self._lock:
-            for name, amount in amounts.items():
-                self._values[name] += amount
-
-    def snapshot(self) -> dict:
-        """The counters as a new dict."""
-        with self._lock:
-            return dict(self._values)
-
+from chainer_prefetch.staging.sources import PlainFile, Source
 
 #: What the store counts (see ``PrefetchMultiprocessIterator.stats``).
 STORE_COUNTERS = ('files_copied', 'bytes_copied', 'local_bytes_written',
@@ -119,14 +97,18 @@ class LocalStore:
             number of items stored, not their paths).
         checks: When a local copy is compared with its source again
             (``recheck_sources``); ``None``: each time the item is staged.
+        peers: A :class:`~chainer_prefetch.staging.peers.PeerGroup` to copy
+            plain files from before their sources (items must be example
+            indices).
     """
 
     def __init__(self, directory: Union[LocalDirectory, LocalMemory],
                  capacity_bytes: Optional[int] = None,
                  eviction_policy: str = 'belady',
                  sources_of: Optional[Callable[[int], Sequence[Source]]] = None,
-                 checks: Optional[SourceChecks] = None):
+                 checks: Optional[SourceChecks] = None, peers=None):
         self.directory = directory
+        self.peers = peers
         self.checks = checks
         self._sources_of = sources_of
         self.counters = Counters(STORE_COUNTERS)
@@ -166,7 +148,8 @@ class LocalStore:
         self.directory.close()
 
     def stage(self, item: int, sources: Sequence[Source], now: int = 0,
-              epoch: int = 0) -> StageResult:
+              epoch: int = 0, order_epoch: Optional[int] = None
+              ) -> StageResult:
         """Makes a current local form of every source of ``item``.
 
         Args:
@@ -177,6 +160,12 @@ class LocalStore:
             epoch: The check epoch of that access (see ``checks``): its
                 epoch, numbered so that it never goes back, also across a
                 reset of the iterator.
+            order_epoch: The iterator's epoch of the access: with
+                ``peers``, the item's plain files are copied from the node
+                that trained on it in an earlier epoch when it has them
+                (:meth:`~chainer_prefetch.staging.peers.PeerGroup.copy`);
+                bytes from peers are not counted as read from shared
+                storage.
 
         Returns:
             What happened.  ``staged`` is false when a source cannot be read
@@ -186,7 +175,12 @@ class LocalStore:
         """
         started = time.perf_counter()
         try:
-            result = self._stage(item, sources, now, epoch)
+            copy_from_peers = None
+            if (self.peers is not None and order_epoch is not None
+                    and self.peers.candidates(item, order_epoch)):
+                copy_from_peers = functools.partial(
+                    self.peers.copy, index=item, epoch=order_epoch)
+            result = self._stage(item, sources, now, epoch, copy_from_peers)
             if self.checks is not None:
                 if result.staged:
                     self.checks.compared(item, epoch)
@@ -196,7 +190,8 @@ class LocalStore:
         finally:
             self.counters.add(copy_seconds=time.perf_counter() - started)
 
-    def _stage(self, item, sources, now, epoch) -> StageResult:
+    def _stage(self, item, sources, now, epoch, copy_from_peers
+               ) -> StageResult:
         try:
             missing = ([] if self._trusted(item, sources, epoch)
                        else self._missing(sources))
@@ -206,6 +201,10 @@ class LocalStore:
         self.counters.add(files_already_local=len(sources) - len(missing))
         if missing and self.disabled is not None:
             return StageResult(False)
+        if copy_from_peers is not None:
+            missing = [(PeerCopy(source, copy_from_peers)
+                        if isinstance(source, PlainFile) else source,
+                        origin_stat) for source, origin_stat in missing]
         if self._ledger is None:
             return self._make(missing)
         return self._make_within_budget(item, sources, missing, now)
@@ -315,7 +314,9 @@ class LocalStore:
         except CopyLockTimeout:
             self.counters.add(files_lock_timeouts=1)
             return None
-        if written:
+        if written and getattr(source, 'from_peer', 0):
+            self.counters.add(local_bytes_written=written)
+        elif written:
             self.counters.add(files_copied=1,
                               bytes_copied=_bytes_read(source, origin_stat,
                                                        written),
@@ -355,7 +356,7 @@ class LocalStore:
                 return StageResult(False, bytes_read, tuple(evicted))
             if written:
                 made.append(source)
-                bytes_read += source.source_bytes(origin_stat)
+                bytes_read += _bytes_read(source, origin_stat, written)
         # What a file made by another process meanwhile did not use.
         self._ledger.release(budget.remaining)
         with self._lock:
@@ -406,8 +407,9 @@ class LocalStore:
 def _bytes_read(source: Source, origin_stat: Optional[os.stat_result],
                 written: int) -> int:
     """Bytes of shared storage a copy that wrote ``written`` bytes read
-    (``origin_stat`` ``None``: a plain copy, as many as it wrote)."""
-    if not written:
+    (``origin_stat`` ``None``: a plain copy, as many as it wrote; none
+    when it came from a peer)."""
+    if not written or getattr(source, 'from_peer', 0):
         return 0
     return written if origin_stat is None else source.source_bytes(origin_stat)
 

@@ -229,6 +229,16 @@ def parse_args(argv=None):
                              'iterator (shared by the ranks of a node)')
     parser.add_argument('--copy-threads', type=int, default=16,
                         help='copy threads of the prefetch iterator')
+    parser.add_argument('--shuffle-across-ranks', action='store_true',
+                        help='every rank holds the whole training set and '
+                             'the job reshuffles it across ranks every '
+                             'epoch (chainer_prefetch.ShuffleAcrossRanks) '
+                             'instead of scattering fixed shards')
+    parser.add_argument('--peers', action='store_true',
+                        help='with --shuffle-across-ranks and --local-dir: '
+                             'copy each file from the node that trained on '
+                             'it before, before shared storage '
+                             '(chainer_prefetch.PeerGroup)')
     parser.add_argument('--local-capacity', type=parse_bytes, default=None,
                         help='limit of the copies under --local-dir, e.g. '
                              '200G (all ranks of a node share it); the '
@@ -262,7 +272,16 @@ def parse_args(argv=None):
                              'testbed.exactly_once)')
     add_fault_tolerance_arguments(parser)
     add_elastic_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.peers and not (args.shuffle_across_ranks and args.local_dir
+                           and args.iterator == 'prefetch'):
+        parser.error('--peers needs --shuffle-across-ranks, --local-dir and '
+                     'the prefetch iterator')
+    if args.shuffle_across_ranks and (args.fault_tolerance or args.elastic):
+        parser.error('--shuffle-across-ranks is not combined with '
+                     '--fault-tolerance or --elastic (they split the '
+                     'dataset by their own plan)')
+    return args
 
 
 def add_fault_tolerance_arguments(parser):
@@ -378,7 +397,8 @@ def set_loaderjob(args, comm, collective=True):
                   len(own), len(node)))
 
 
-def make_iterator(args, dataset, batch_size, train, order_sampler=None):
+def make_iterator(args, dataset, batch_size, train, order_sampler=None,
+                  peers=None):
     kwargs = dict(repeat=train, shuffle=train, n_processes=args.loaderjob,
                   maxtasksperchild=args.maxtasksperchild)
     if order_sampler is not None:
@@ -395,7 +415,7 @@ def make_iterator(args, dataset, batch_size, train, order_sampler=None):
         n_copy_threads=args.copy_threads,
         local_capacity=args.local_capacity,
         next_epoch_cache_examples=args.next_epoch_cache if train else None,
-        **kwargs)
+        peers=peers, **kwargs)
 
 
 def main(argv=None):
@@ -476,8 +496,20 @@ def main(argv=None):
         print('==========================================')
         sys.stdout.flush()
 
-    train = chainermn.scatter_dataset(train, comm, shuffle=True,
-                                      seed=args.seed)
+    train_sampler = peers = None
+    if args.shuffle_across_ranks:
+        # Every rank holds the whole training set; the sampler splits one
+        # permutation per epoch by rank.
+        train = comm.bcast_obj(train)
+        import chainer_prefetch
+        train_sampler = chainer_prefetch.ShuffleAcrossRanks(
+            len(train), comm.rank, comm.size, args.seed)
+        if args.peers:
+            peers = chainer_prefetch.PeerGroup.join(
+                comm, args.local_dir, train_sampler.holders)
+    else:
+        train = chainermn.scatter_dataset(train, comm, shuffle=True,
+                                          seed=args.seed)
     val = chainermn.scatter_dataset(val, comm)
 
     model = chainer.links.Classifier(ARCHS[args.arch](n_class=n_class))
@@ -485,8 +517,10 @@ def main(argv=None):
         chainer.serializers.load_npz(args.initmodel, model.predictor)
     model.to_device(device)
 
-    train_iter = make_iterator(args, train, args.batchsize, True)
+    train_iter = make_iterator(args, train, args.batchsize, True,
+                               train_sampler, peers)
     val_iter = make_iterator(args, val, args.val_batchsize, False)
+    staging_iter = train_iter
     converter = chainer.dataset.concat_examples
     if args.pinned_copy:
         from chainer_prefetch.device_copy import StagedDeviceCopy
@@ -551,6 +585,22 @@ def main(argv=None):
 
     # Trainer.run finalizes the updater's and the evaluator's iterators.
     trainer.run()
+    if peers is not None:
+        report_peers(comm, staging_iter.stats)
+        comm.mpi_comm.Barrier()  # nobody stops serving while another asks
+        peers.close()
+
+
+def report_peers(comm, stats):
+    """Prints, per rank, what the training iterator read from shared
+    storage and from the other nodes."""
+    peer = stats['peers']
+    print('rank {}: {} bytes from shared storage ({} files), {} bytes from '
+          'peers ({} files), {} fallbacks to shared storage, peers down: {}'
+          .format(comm.rank, stats['bytes_copied'], stats['files_copied'],
+                  peer['bytes_from_peers'], peer['files_from_peers'],
+                  peer['peer_fallbacks'], sorted(peer['peers_down']) or 'none'),
+          flush=True)
 
 
 def make_optimizer(args, model, comm):

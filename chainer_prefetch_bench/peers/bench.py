@@ -1,0 +1,305 @@
+#!/usr/bin/env python
+"""The peer tier on simulated nodes of one machine, side by side in one run.
+
+``--nodes`` nodes of ``--ranks-per-node`` ranks (MPI processes under
+``mpiexec``), each node with its own local directory, train on one JPEG
+dataset through the emulated shared storage (``--preset``, ``paper`` by
+default) for ``--epochs`` epochs, reshuffled across ranks every epoch
+(:class:`~chainer_prefetch.ShuffleAcrossRanks`), in lockstep.  Methods:
+
+``no-peers``    each node copies what it needs from shared storage;
+``peers``       the same with the peer tier (``PeerGroup``);
+``warm-local``  every node's local directory already holds the whole
+                dataset (filled before the timed run): the epoch time of
+                reading local copies only.
+
+For each: the bytes the mount served over the run (its own count, against
+the dataset's size), every epoch's time, and what the iterators counted.
+
+``--faults stop,kill`` then runs the peer tier without lockstep while the
+first rank of node 1 (its server) stops itself (``SIGSTOP``) or is killed
+(``SIGKILL``) a few batches into epoch ``--fault-epoch``: the other ranks
+finish that epoch comparing every example with a direct read, and report
+their waits on the dead peer; afterwards no process of the run is left and
+its port is closed.
+
+Usage::
+
+    python -m chainer_prefetch_bench.peers.bench --nodes 4 --epochs 4 \\
+        --out results/peers/peers.json
+"""
+import argparse
+import concurrent.futures
+import glob
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+from chainer_prefetch.staging.local_directory import LocalDirectory
+from chainer_prefetch.staging.sources import PlainFile
+from chainer_prefetch_bench.testbed import mpi_launch, storage
+from chainer_prefetch_bench.testbed.machine import machine_description
+from chainer_prefetch_bench.testbed.prepare import prepare_jpeg_benchmark
+from chainer_prefetch_bench.testbed.report import write_json
+
+METHODS = ('no-peers', 'peers', 'warm-local')
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--workdir', default='/tmp/chainer_prefetch_bench',
+                        help='where the generated dataset is kept')
+    parser.add_argument('--n-images', type=int, default=2000)
+    parser.add_argument('--nodes', type=int, default=4)
+    parser.add_argument('--ranks-per-node', type=int, default=1)
+    parser.add_argument('--epochs', type=int, default=4)
+    parser.add_argument('--batch-size', type=int, default=16)
+    parser.add_argument('--loaders', type=int, default=1,
+                        help='loader processes per rank')
+    parser.add_argument('--copy-threads', type=int, default=8)
+    parser.add_argument('--copy-ahead', type=int, default=16,
+                        help='batches stage 2 runs ahead')
+    parser.add_argument('--preset', default='paper')
+    parser.add_argument('--methods', default=','.join(METHODS))
+    parser.add_argument('--faults', default='',
+                        help='comma-separated: stop, kill')
+    parser.add_argument('--fault-epoch', type=int, default=1)
+    parser.add_argument('--peer-timeout', type=float, default=2.0)
+    parser.add_argument('--timeout', type=float, default=1800)
+    parser.add_argument('--out')
+    return parser.parse_args(argv)
+
+
+def node_command(args, mount_root, dataset_dir, local_root, out, peers,
+                 fault=None):
+    """The ``mpiexec`` command line of one run."""
+    ranks = args.nodes * args.ranks_per_node
+    command = [mpi_launch.mpiexec_path(), '--oversubscribe', '--bind-to',
+               'none', '-n', str(ranks)]
+    if fault is not None:
+        command += ['--with-ft', 'ulfm']  # the others outlive the victim
+    command += [sys.executable, '-m', 'chainer_prefetch_bench.peers.node',
+                '--list', os.path.join(dataset_dir, 'train.txt'),
+                '--root', mount_root, '--direct-root', dataset_dir,
+                '--local-root', local_root,
+                '--ranks-per-node', str(args.ranks_per_node),
+                '--epochs', str(args.epochs),
+                '--batch-size', str(args.batch_size),
+                '--loaders', str(args.loaders),
+                '--copy-threads', str(args.copy_threads),
+                '--copy-ahead', str(args.copy_ahead),
+                '--peer-timeout', str(args.peer_timeout), '--out', out]
+    if peers:
+        command.append('--peers')
+    if fault is not None:
+        command += ['--fault', fault, '--fault-epoch', str(args.fault_epoch)]
+    return command
+
+
+def fill_local_directories(local_root, nodes, paths):
+    """Every node's local directory holds every file (``warm-local``)."""
+    for node in range(nodes):
+        directory = LocalDirectory(os.path.join(local_root,
+                                                'node{}'.format(node)))
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            list(pool.map(directory.stage, map(PlainFile, paths)))
+        directory.close()
+
+
+def dataset_paths(dataset_dir, root):
+    with open(os.path.join(dataset_dir, 'train.txt')) as f:
+        return [os.path.join(root, line.split()[0]) for line in f]
+
+
+def run_method(args, method, mount, dataset_dir, paths):
+    """One run of ``method``; returns its record."""
+    local_root = tempfile.mkdtemp(prefix='peers_local_')
+    out = os.path.join(local_root, 'result.json')
+    try:
+        if method == 'warm-local':
+            fill_local_directories(local_root, args.nodes, paths)
+        before = mount.op_counts()
+        started = time.perf_counter()
+        code, output, timed_out = mpi_launch.run(node_command(
+            args, mount.mountpoint, dataset_dir, local_root, out,
+            method == 'peers'), args.timeout)
+        wall = time.perf_counter() - started
+        after = mount.op_counts()
+        if code != 0 or timed_out or not os.path.exists(out):
+            raise RuntimeError('{} failed (exit {}, timed out: {}):\n{}'.format(
+                method, code, timed_out, output[-4000:]))
+        with open(out) as f:
+            ranks = json.load(f)
+    finally:
+        shutil.rmtree(local_root, ignore_errors=True)
+    epoch_seconds = ranks[0]['epoch_seconds']
+    return {'method': method, 'wall_seconds': wall,
+            'source_bytes': after['read_bytes'] - before['read_bytes'],
+            'source_opens': after['open'] - before['open'],
+            'epoch_seconds': epoch_seconds, 'ranks': ranks}
+
+
+def run_fault(args, fault, mount, dataset_dir):
+    """The peer tier while node 1's server stops or dies; returns its record."""
+    local_root = tempfile.mkdtemp(prefix='peers_fault_')
+    out = os.path.join(local_root, 'result.json')
+    ranks = args.nodes * args.ranks_per_node
+    survivors = [rank for rank in range(ranks) if rank != args.ranks_per_node]
+
+    def finished():
+        return all(os.path.exists('{}.rank{}'.format(out, rank))
+                   for rank in survivors)
+    try:
+        code, output, timed_out = mpi_launch.run(node_command(
+            args, mount.mountpoint, dataset_dir, local_root, out, True,
+            fault), args.timeout, done=finished)
+        if not finished():
+            raise RuntimeError('fault {}: the other ranks did not finish '
+                               '(exit {}, timed out: {}):\n{}'.format(
+                                   fault, code, timed_out, output[-4000:]))
+        results = []
+        for rank in survivors:
+            with open('{}.rank{}'.format(out, rank)) as f:
+                results.append(json.load(f))
+    finally:
+        shutil.rmtree(local_root, ignore_errors=True)
+    victim_address = next((r['peer_address'] for r in results
+                           if r['peer_address']), None)
+    left = [line for line in _processes() if 'chainer_prefetch_bench.peers.node'
+            in line]
+    return {'fault': fault, 'ranks': results,
+            'checked': sum(r['checked'] for r in results),
+            'wrong': sum(r['wrong'] for r in results),
+            'peer_fallbacks': sum(r['peers']['peer_fallbacks'] for r in results),
+            'peer_wait_seconds': [r['peers']['peer_wait_seconds'] for r in results],
+            'peer_longest_wait_seconds': max(
+                r['peers']['peer_longest_wait_seconds'] for r in results),
+            'peers_down': [r['peers']['peers_down'] for r in results],
+            'processes_left': left,
+            'victim_port_closed': _port_closed(victim_address),
+            'survivor_ports_closed': all(
+                _port_closed(r['peer_address']) for r in results)}
+
+
+def _processes():
+    found = []
+    for status in glob.glob('/proc/[0-9]*/cmdline'):
+        try:
+            with open(status, 'rb') as f:
+                found.append(f.read().replace(b'\0', b' ').decode(errors='replace'))
+        except OSError:
+            pass
+    return found
+
+
+def _port_closed(address):
+    if address is None:
+        return True
+    try:
+        socket.create_connection(tuple(address), timeout=2).close()
+    except OSError:
+        return True
+    return False
+
+
+def summary(runs, dataset_bytes):
+    """Ratios between the methods of one run."""
+    by_method = {run['method']: run for run in runs}
+    lines = {}
+    for method, run in by_method.items():
+        later = run['epoch_seconds'][1:]
+        lines[method] = {
+            'source_bytes_per_dataset': run['source_bytes'] / dataset_bytes,
+            'first_epoch_seconds': run['epoch_seconds'][0],
+            'later_epoch_median_seconds': (statistics.median(later)
+                                           if later else None)}
+    ratios = {}
+    if 'peers' in lines and 'warm-local' in lines:
+        peers_later = by_method['peers']['epoch_seconds'][1:]
+        warm_later = by_method['warm-local']['epoch_seconds'][1:]
+        ratios['peers_later_epochs_over_warm_local'] = [
+            a / b for a, b in zip(peers_later, warm_later)]
+        ratios['peers_later_median_over_warm_local_median'] = (
+            lines['peers']['later_epoch_median_seconds']
+            / lines['warm-local']['later_epoch_median_seconds'])
+    if 'peers' in lines and 'no-peers' in lines:
+        ratios['peers_first_epoch_over_no_peers'] = (
+            lines['peers']['first_epoch_seconds']
+            / lines['no-peers']['first_epoch_seconds'])
+        ratios['source_bytes_no_peers_over_peers'] = (
+            by_method['no-peers']['source_bytes']
+            / max(by_method['peers']['source_bytes'], 1))
+    return {'methods': lines, 'ratios': ratios}
+
+
+def print_report(result):
+    print('{:<12} {:>16} {:>12} {:>12}  {}'.format(
+        'method', 'source/dataset', 'epoch 1 s', 'later med s', 'epochs s'))
+    for run in result['runs']:
+        line = result['summary']['methods'][run['method']]
+        later = line['later_epoch_median_seconds']
+        print('{:<12} {:>16.2f} {:>12.1f} {:>12} {}'.format(
+            run['method'], line['source_bytes_per_dataset'],
+            line['first_epoch_seconds'],
+            '-' if later is None else '{:.1f}'.format(later),
+            ' '.join('{:.1f}'.format(s) for s in run['epoch_seconds'])))
+    for name, value in result['summary']['ratios'].items():
+        if isinstance(value, list):
+            value = ' '.join('{:.2f}'.format(v) for v in value)
+        else:
+            value = '{:.2f}'.format(value)
+        print('{}: {}'.format(name, value))
+    for fault in result['faults']:
+        print('fault {}: {} examples checked, {} wrong; fallbacks {}; waits '
+              'summed per rank {} s, longest {:.2f} s; peers down {}; '
+              'processes left {}; victim port closed {}'.format(
+                  fault['fault'], fault['checked'], fault['wrong'],
+                  fault['peer_fallbacks'],
+                  ['{:.2f}'.format(w) for w in fault['peer_wait_seconds']],
+                  fault['peer_longest_wait_seconds'],
+                  fault['peers_down'], len(fault['processes_left']),
+                  fault['victim_port_closed']))
+
+
+def main(argv=None):
+    args = parse(argv)
+    dataset_dir = prepare_jpeg_benchmark(args.workdir, args.n_images)
+    if dataset_dir is None:
+        return 1
+    methods = [m for m in args.methods.split(',') if m]
+    faults = [f for f in args.faults.split(',') if f]
+    for method in methods:
+        if method not in METHODS:
+            raise SystemExit('unknown method {!r}; choose from {}'.format(
+                method, ', '.join(METHODS)))
+    runs, fault_runs = [], []
+    with storage.mounted(dataset_dir, preset=args.preset) as mount:
+        paths = dataset_paths(dataset_dir, mount.mountpoint)
+        dataset_bytes = sum(os.path.getsize(p) for p in dataset_paths(
+            dataset_dir, dataset_dir))
+        for method in methods:
+            print('running {} ...'.format(method), flush=True)
+            runs.append(run_method(args, method, mount, dataset_dir, paths))
+        for fault in faults:
+            print('running fault {} ...'.format(fault), flush=True)
+            fault_runs.append(run_fault(args, fault, mount, dataset_dir))
+    result = {'command': ' '.join(['python -m chainer_prefetch_bench.peers.bench']
+                                  + list(argv if argv is not None
+                                         else sys.argv[1:])),
+              'machine': machine_description(), 'args': vars(args),
+              'dataset_bytes': dataset_bytes, 'n_images': len(paths),
+              'runs': runs, 'faults': fault_runs,
+              'summary': summary(runs, dataset_bytes)}
+    print_report(result)
+    if args.out:
+        write_json(args.out, result)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""The peer tier with real processes and sockets: copies from a peer, and each way a peer fails."""
+import os
+import secrets
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from chainer_prefetch.staging import peers as peer_tier
+from chainer_prefetch.staging.counters import Counters
+from chainer_prefetch.staging.local_directory import LocalDirectory
+from chainer_prefetch.staging.local_store import LocalStore
+from chainer_prefetch.staging.peers import PEER_COUNTERS, PeerGroup, PeerServer
+from chainer_prefetch.staging.sources import PlainFile
+from helpers import write_random_file
+
+NODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'peer_node.py')
+TIMEOUT = 1.0
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    paths = []
+    for i, size in enumerate((0, 1, 4096, 300000, 1 << 20)):
+        path = str(tmp_path / 'shared' / 'f{}.bin'.format(i))
+        write_random_file(path, size, seed=i)
+        paths.append(path)
+    return paths
+
+
+class Node:
+    """A peer node in its own process (tests/peer_node.py)."""
+
+    def __init__(self, tmp_path, paths, token):
+        self.local_dir = str(tmp_path / 'node_local')
+        self.process = subprocess.Popen(
+            [sys.executable, NODE, self.local_dir, token.hex()] + paths,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.port = int(self.process.stdout.readline())
+        self.directory = LocalDirectory(self.local_dir)
+
+    def copy_of(self, path):
+        return self.directory.local_path(path)
+
+    def stop(self):
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
+            self.process.stdin.close()
+            self.process.wait(30)
+        self.directory.close()
+
+
+@pytest.fixture
+def node(tmp_path, dataset):
+    token = secrets.token_bytes(32)
+    started = Node(tmp_path, dataset, token)
+    started.token = token
+    yield started
+    started.stop()
+
+
+class FileBytes:
+    """A user's dataset: a list of paths, each example a file's bytes."""
+
+    def __init__(self, paths):
+        self.paths = list(paths)
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        with open(self.paths[index], 'rb') as f:
+            return f.read()
+
+
+def client(tmp_path, node, token=None):
+    group = PeerGroup([0, 1], 0, {1: ('127.0.0.1', node.port)},
+                      token or node.token, lambda index, epoch: [1],
+                      timeout=TIMEOUT)
+    store = LocalStore(LocalDirectory(str(tmp_path / 'client_local')),
+                       peers=group)
+    return group, store
+
+
+def stage(store, paths, item):
+    return store.stage(item, [PlainFile(paths[item])], order_epoch=1)
+
+
+def local_bytes(store, path):
+    with open(store.directory.local_path(path), 'rb') as f:
+        return f.read()
+
+
+def source_bytes(path):
+    with open(path, 'rb') as f:
+        return f.read()
+
+
+def test_files_come_from_the_peer_byte_for_byte_and_count_no_shared_read(
+        tmp_path, dataset, node):
+    group, store = client(tmp_path, node)
+    for item, path in enumerate(dataset):
+        result = stage(store, dataset, item)
+        assert result.staged and result.bytes_read == 0
+        assert local_bytes(store, path) == source_bytes(path)
+        assert os.stat(store.directory.local_path(path)).st_mtime_ns == \
+            os.stat(path).st_mtime_ns
+    counts = group.stats()
+    assert counts['files_from_peers'] == len(dataset)
+    assert counts['bytes_from_peers'] == sum(map(os.path.getsize, dataset))
+    assert counts['peer_fallbacks'] == 0 and counts['peers_down'] == {}
+    assert store.counters.snapshot()['bytes_copied'] == 0
+    # Once made, the copy is current: nobody is asked again.
+    assert stage(store, dataset, 3).bytes_read == 0
+    assert group.stats()['files_from_peers'] == len(dataset)
+    store.close()
+
+
+def test_a_copy_evicted_meanwhile_is_read_from_the_source_without_a_wait(
+        tmp_path, dataset, node):
+    os.unlink(node.copy_of(dataset[3]))
+    group, store = client(tmp_path, node)
+    result = stage(store, dataset, 3)
+    assert result.staged and result.bytes_read == os.path.getsize(dataset[3])
+    assert local_bytes(store, dataset[3]) == source_bytes(dataset[3])
+    counts = group.stats()
+    assert counts['peer_fallbacks'] == 1 and counts['peer_wait_seconds'] == 0
+    assert counts['peers_down'] == {}  # still asked for the others
+    assert stage(store, dataset, 4).bytes_read == 0
+    store.close()
+
+
+def test_a_stale_copy_on_the_peer_is_not_taken(tmp_path, dataset, node):
+    write_random_file(dataset[2], 4096, seed=77)  # the source changed
+    os.utime(dataset[2], ns=(1, 10 ** 18))
+    group, store = client(tmp_path, node)
+    result = stage(store, dataset, 2)
+    assert result.bytes_read == 4096
+    assert local_bytes(store, dataset[2]) == source_bytes(dataset[2])
+    assert group.stats()['files_from_peers'] == 0
+    store.close()
+
+
+def test_a_file_that_is_not_the_examples_source_is_not_served(
+        tmp_path, dataset, node):
+    outside = str(tmp_path / 'not_in_dataset')
+    write_random_file(outside, 100)
+    target = str(tmp_path / 'received')
+    with open(target, 'wb') as out:
+        with pytest.raises(peer_tier.NotHeld):  # another example's file
+            peer_tier.fetch(('127.0.0.1', node.port), node.token, 0,
+                            dataset[1], out.fileno(), os.stat(dataset[1]),
+                            target, TIMEOUT)
+        with pytest.raises(peer_tier.NotHeld):  # no file of the dataset
+            peer_tier.fetch(('127.0.0.1', node.port), node.token, 0, outside,
+                            out.fileno(), os.stat(outside), target, TIMEOUT)
+        with pytest.raises(peer_tier.PeerDown, match='refused'):  # no example
+            peer_tier.fetch(('127.0.0.1', node.port), node.token, 99,
+                            dataset[0], out.fileno(), os.stat(dataset[0]),
+                            target, TIMEOUT)
+    assert os.path.getsize(target) == 0
+
+
+def test_a_request_without_the_jobs_token_is_refused(tmp_path, dataset, node):
+    group, store = client(tmp_path, node, token=secrets.token_bytes(32))
+    result = stage(store, dataset, 4)
+    assert result.staged and result.bytes_read == os.path.getsize(dataset[4])
+    assert local_bytes(store, dataset[4]) == source_bytes(dataset[4])
+    assert group.stats()['peers_down'].keys() == {1}
+    store.close()
+    node.process.stdin.close()
+    assert "'peer_requests_refused': 1" in node.process.stdout.read()
+
+
+def test_a_stopped_peer_costs_one_bounded_wait_then_is_not_asked(
+        tmp_path, dataset, node):
+    group, store = client(tmp_path, node)
+    os.kill(node.process.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    result = stage(store, dataset, 4)
+    waited = time.monotonic() - started
+    assert result.staged and result.bytes_read == os.path.getsize(dataset[4])
+    assert local_bytes(store, dataset[4]) == source_bytes(dataset[4])
+    counts = group.stats()
+    assert counts['peers_down'].keys() == {1} and counts['peer_fallbacks'] == 1
+    assert TIMEOUT * 0.5 <= counts['peer_wait_seconds'] <= waited
+    assert waited < TIMEOUT + 10  # one wait, not one per file or per piece
+    for item in range(4):  # the peer is down: no more waits
+        assert stage(store, dataset, item).staged
+    assert group.stats()['peer_fallbacks'] == 1
+    assert group.candidates(0, 1) == []
+    store.close()
+
+
+@pytest.mark.parametrize('how', ['kill', 'close'])
+def test_a_dead_or_closed_peer_is_a_refused_connection_at_once(
+        tmp_path, dataset, node, how):
+    if how == 'kill':
+        node.process.kill()
+    else:
+        node.process.stdin.close()
+    node.process.wait(30)
+    group, store = client(tmp_path, node)
+    result = stage(store, dataset, 3)
+    assert result.staged and local_bytes(store, dataset[3]) == \
+        source_bytes(dataset[3])
+    counts = group.stats()
+    assert counts['peers_down'].keys() == {1} and counts['peer_wait_seconds'] < TIMEOUT
+    store.close()
+
+
+def test_a_peer_that_breaks_off_mid_file_leaves_no_byte_of_it(
+        tmp_path, dataset):
+    """A peer that announces the right size and mtime and sends half."""
+    path = dataset[4]
+    info = os.stat(path)
+    listener = socket.create_server(('127.0.0.1', 0))
+
+    def half_then_close():
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(4096)
+            connection.sendall(struct.pack('<BqQ', 0, info.st_size,
+                                           info.st_mtime_ns))
+            connection.sendall(b'\0' * (info.st_size // 2))
+
+    thread = threading.Thread(target=half_then_close)
+    thread.start()
+    group = PeerGroup([0, 1], 0, {1: listener.getsockname()},
+                      secrets.token_bytes(32), lambda index, epoch: [1],
+                      timeout=TIMEOUT)
+    store = LocalStore(LocalDirectory(str(tmp_path / 'client_local')),
+                       peers=group)
+    result = stage(store, dataset, 4)
+    thread.join()
+    listener.close()
+    assert result.staged and result.bytes_read == info.st_size
+    assert local_bytes(store, path) == source_bytes(path)
+    assert group.stats()['peers_down'].keys() == {1}
+    assert os.listdir(store.directory.partial_root) == []
+    store.close()
+
+
+def test_closing_a_server_leaves_no_thread_and_no_port(tmp_path, dataset):
+    server = PeerServer('127.0.0.1', secrets.token_bytes(32), TIMEOUT,
+                        Counters(PEER_COUNTERS))
+    address = server.address
+    socket.create_connection(address, timeout=TIMEOUT).close()
+    server.close()
+    assert not [thread for thread in threading.enumerate()
+                if thread.name == 'peer-server']
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(address, timeout=TIMEOUT)
+
+
+def test_the_iterator_checks_how_it_is_given_peers(tmp_path, dataset):
+    import pickle
+    import warnings
+
+    from chainer_prefetch import PrefetchMultiprocessIterator, ShuffleAcrossRanks, StagingWarning
+    files = FileBytes(dataset)
+    sampler = ShuffleAcrossRanks(len(files), 0, 2, 0)
+    other = ShuffleAcrossRanks(len(files), 0, 2, 1)
+    group = PeerGroup([0, 1], 0, {}, secrets.token_bytes(32), other.holders)
+    with pytest.raises(ValueError, match='local_dir'):
+        PrefetchMultiprocessIterator(files, 2, order_sampler=sampler,
+                                     peers=group)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        iterator = PrefetchMultiprocessIterator(
+            files, 2, order_sampler=sampler, peers=group, n_processes=1,
+            local_dir=str(tmp_path / 'local'))
+    assert any(issubclass(w.category, StagingWarning)
+               and 'another order sampler' in str(w.message) for w in caught)
+    assert iterator.stats['peers']['peers_down'] == {}
+    iterator.finalize()
+    with pytest.raises(TypeError, match='cannot be pickled'):
+        pickle.dumps(group)
+    group.close()
