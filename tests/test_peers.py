@@ -282,3 +282,42 @@ def test_the_iterator_checks_how_it_is_given_peers(tmp_path, dataset):
     with pytest.raises(TypeError, match='cannot be pickled'):
         pickle.dumps(group)
     group.close()
+
+
+def test_after_a_restart_at_another_size_the_nodes_still_there_are_asked():
+    from chainer_prefetch import ShuffleAcrossRanks
+    n = 60
+    before = PeerGroup([0, 1, 2], 0, {0: ('h', 1), 1: ('h', 2), 2: ('h', 3)},
+                       b'', ShuffleAcrossRanks(n, 0, 3, 5).holders,
+                       places=['h:/a', 'h:/b', 'h:/c'])
+    saved = before.jobs()
+    # Two ranks now, on the nodes of the old ranks 1 and 0 (in that order).
+    sampler = ShuffleAcrossRanks(n, 0, 2, 5)
+    after = PeerGroup([0, 1], 0, {0: ('h', 2), 1: ('h', 1)}, b'',
+                      sampler.holders, places=['h:/b', 'h:/a'])
+    after.resume(2, saved)
+    old = ShuffleAcrossRanks(n, 0, 3, 5)
+    new_node_of_old_rank = {0: 1, 1: 0, 2: None}  # /c left the job
+
+    def expected(index, epoch):
+        found = []
+        for earlier in (epoch - 1, epoch - 2):
+            if earlier >= 2:  # the new job's epochs
+                ranks = sampler.holders(index, earlier)
+                nodes = {0: 0, 1: 1}
+            else:
+                ranks = old.holders(index, earlier)
+                nodes = new_node_of_old_rank
+            for rank in ranks:
+                if nodes[rank] not in (None, 0, *found):
+                    found.append(nodes[rank])
+        return found
+
+    for index in range(n):
+        for epoch in (2, 3):
+            assert after.candidates(index, epoch) == expected(index, epoch)
+    # The same job resumed: nothing changes.
+    again = PeerGroup([0, 1, 2], 0, before.addresses, b'', old.holders,
+                      places=['h:/a', 'h:/b', 'h:/c'])
+    again.resume(2, saved)
+    assert again.jobs()['first_epochs'].tolist() == [0]

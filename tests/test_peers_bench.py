@@ -59,3 +59,26 @@ def test_loopback_transport_copies_every_file_three_ways(tmp_path):
     assert methods == {(files, method) for files in ('large', 'small')
                        for method in transport.METHODS}
     assert all(row['mb_per_s'] > 0 for row in result['medians'])
+
+
+@needs_fuse
+@pytest.mark.slow
+def test_after_a_node_leaves_the_others_resume_and_read_shared_storage_less(
+        tmp_path):
+    out = str(tmp_path / 'leave.json')
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert bench.main([
+            '--workdir', str(tmp_path), '--n-images', '96', '--nodes', '3',
+            '--epochs', '2', '--batch-size', '8', '--copy-ahead', '1',
+            '--leave', '--out', out]) == 0
+    with open(out) as f:
+        result = json.load(f)
+    runs = {run['method']: run for run in result['leave']}
+    for run in runs.values():
+        assert run['after']['first_epoch'] == 2
+        assert len(run['after']['ranks']) == 2
+        assert len(run['after']['epoch_seconds']) == 1
+    assert (runs['leave-peers']['after']['source_bytes']
+            <= runs['leave-no-peers']['after']['source_bytes'])
+    assert sum(rank['peers']['bytes_from_peers']
+               for rank in runs['leave-peers']['after']['ranks']) > 0

@@ -637,6 +637,9 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             next_order = None
         if loading and order_of_epoch is not None:
             next_order = None  # drawn again from this rank's order
+        if self.settings.peers is not None:
+            _serialize_peer_jobs(serializer, self.settings.peers, loading,
+                                 int(epoch))
         self._reset_state(current_position, epoch, is_new_epoch, order,
                           next_order)
         try:
@@ -737,6 +740,22 @@ _ACCESS_COUNTS = ('examples_staged', 'examples_not_staged',
 _EPOCH_COUNTS = ('examples_from_local', 'examples_from_source',
                  'examples_from_cache', 'bytes_from_source', 'bytes_copied'
                  ) + SOURCE_OPS
+
+
+def _serialize_peer_jobs(serializer, peers, loading: bool, epoch: int):
+    """Saves which jobs trained which epochs (``PeerGroup.jobs``), or
+    tells the group what a snapshot saved (``PeerGroup.resume``)."""
+    child = serializer['peer_jobs']
+    if not loading:
+        for key, value in peers.jobs().items():
+            child(key, value)
+        return
+    try:
+        jobs = {key: child(key, None)
+                for key in ('first_epochs', 'sizes', 'places')}
+    except KeyError:
+        jobs = None  # a snapshot without peers
+    peers.resume(epoch, jobs)
 
 
 def _own_order(serializer, order_of_epoch, epoch: int, position: int):

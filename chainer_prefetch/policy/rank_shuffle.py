@@ -124,9 +124,16 @@ class ShuffleAcrossRanks:
                 self.n_examples, self.rank, self.size, self.seed, len(order),
                 SEARCHED_EPOCHS))
 
-    def holders(self, index: int, epoch: int) -> List[int]:
+    def holders(self, index: int, epoch: int,
+                size: Optional[int] = None) -> List[int]:
         """The ranks that trained on example ``index`` in ``epoch`` (one,
         two for a padding example).
+
+        Args:
+            index: The example.
+            epoch: The epoch.
+            size: The number of ranks of the job that trained ``epoch``, if
+                not this one's (a run resumed at another size).
 
         Raises:
             IndexError: ``index`` outside the dataset.
@@ -134,10 +141,12 @@ class ShuffleAcrossRanks:
         if not 0 <= index < self.n_examples:
             raise IndexError('example {} outside a dataset of {}'.format(
                 index, self.n_examples))
+        size = self.size if size is None else size
+        padding = size * -(-self.n_examples // size) - self.n_examples
         place = int(self._places(epoch)[index])
-        ranks = [place % self.size]
-        if place < self.size * self.length - self.n_examples:
-            ranks.append((place + self.n_examples) % self.size)
+        ranks = [place % size]
+        if place < padding:
+            ranks.append((place + self.n_examples) % size)
         return ranks
 
     def order_of_epoch(self, epoch: int) -> numpy.ndarray:

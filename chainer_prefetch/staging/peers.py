@@ -51,6 +51,8 @@ import time
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy
+
 from chainer_prefetch.errors import LocalStorageError
 from chainer_prefetch.staging.counters import Counters
 from chainer_prefetch.staging.sources import PlainFile, Source, local_error, stamp
@@ -414,14 +416,23 @@ class PeerGroup:
         timeout: Seconds of one bounded wait on a peer.
         lookback: How many earlier epochs' holders are asked (the most
             recent first).
+        counters: Where the counters go (the server's, shared).
+        places: Per rank, its node's place (``host:local directory``), by
+            which the nodes of an earlier job of a resumed run are found.
     """
 
     def __init__(self, node_of_rank: Sequence[int], node: int,
                  addresses: Dict[int, Tuple[str, int]], token: bytes,
                  holders: Callable[[int, int], Sequence[int]],
                  server: Optional[PeerServer] = None, timeout: float = 10.0,
-                 lookback: int = 2, counters: Optional[Counters] = None):
+                 lookback: int = 2, counters: Optional[Counters] = None,
+                 places: Optional[Sequence[str]] = None):
         self.node_of_rank = list(node_of_rank)
+        self.places = list(places) if places is not None else None
+        self._node_of_place = {} if places is None else {
+            place: node for place, node in zip(places, node_of_rank)}
+        self._start_epoch = 0
+        self._earlier_jobs: List[Tuple[int, int, List[str]]] = []
         self.node = node
         self.addresses = dict(addresses)
         self.token = token
@@ -459,7 +470,8 @@ class PeerGroup:
         allgather, bcast = comm.allgather, comm.bcast
         place = (socket.gethostname(),
                  os.path.realpath(os.path.expanduser(local_dir)))
-        places = allgather(place)
+        places = [':'.join(member) for member in allgather(place)]
+        place = ':'.join(place)
         nodes = {}
         for member_place in places:
             nodes.setdefault(member_place, len(nodes))
@@ -478,7 +490,7 @@ class PeerGroup:
                      for member, address in enumerate(served)
                      if address is not None}
         return cls(node_of_rank, nodes[place], addresses, token, holders,
-                   server, timeout, lookback, counters)
+                   server, timeout, lookback, counters, places)
 
     def __reduce__(self):
         raise TypeError('a PeerGroup holds this process\'s connections and '
@@ -513,9 +525,16 @@ class PeerGroup:
         not this node and none marked down."""
         found: List[int] = []
         for earlier in range(epoch - 1, max(epoch - 1 - self.lookback, -1), -1):
-            for rank in self.holders(index, earlier):
-                node = self.node_of_rank[rank]
-                if node != self.node and node not in found:
+            job = self._job_of(earlier)
+            if job is None:
+                ranks, nodes = self.holders(index, earlier), self.node_of_rank
+            else:
+                size, places = job
+                ranks = self.holders(index, earlier, size)
+                nodes = [self._node_of_place.get(place) for place in places]
+            for rank in ranks:
+                node = nodes[rank]
+                if node is not None and node != self.node and node not in found:
                     found.append(node)
         with self._lock:
             return [node for node in found
@@ -553,6 +572,54 @@ class PeerGroup:
             return copied
         if nodes:
             self.counters.add(peer_fallbacks=1)
+        return None
+
+    def jobs(self) -> Dict[str, numpy.ndarray]:
+        """Which job trained which epochs, as arrays for a snapshot: per
+        job (this one last) its first epoch, its size and its ranks'
+        places."""
+        jobs = self._earlier_jobs + [(self._start_epoch, len(self.node_of_rank),
+                                      self.places or [])]
+        return {'first_epochs': numpy.asarray([j[0] for j in jobs], numpy.int64),
+                'sizes': numpy.asarray([j[1] for j in jobs], numpy.int64),
+                'places': numpy.asarray([p for j in jobs for p in j[2]]
+                                        or [''], dtype=str)}
+
+    def resume(self, epoch: int, jobs: Optional[Dict[str, numpy.ndarray]]):
+        """Learns from a snapshot which jobs trained the epochs before
+        ``epoch`` (:meth:`jobs` of the group that wrote it), so that after
+        a restart at another size, or on other nodes, the nodes still in
+        the job that hold a file are asked.
+
+        Args:
+            epoch: The epoch the resumed iterator is in.
+            jobs: The snapshot's arrays, or ``None`` (a snapshot without
+                them: earlier epochs count as this job's).
+        """
+        earlier: List[Tuple[int, int, List[str]]] = []
+        if jobs is not None:
+            places = [str(place) for place in jobs['places']]
+            taken = 0
+            for first, size in zip(jobs['first_epochs'], jobs['sizes']):
+                earlier.append((int(first), int(size),
+                                places[taken:taken + int(size)]))
+                taken += int(size)
+            earlier = [job for job in earlier if job[0] < epoch]
+        if earlier and earlier[-1][1:] == (len(self.node_of_rank),
+                                           self.places or []):
+            first = earlier.pop()[0]  # the same job goes on
+        else:
+            first = epoch
+        self._earlier_jobs, self._start_epoch = earlier, first
+
+    def _job_of(self, epoch: int) -> Optional[Tuple[int, List[str]]]:
+        """``(size, places)`` of the earlier job that trained ``epoch``, or
+        ``None`` when this job did."""
+        if epoch >= self._start_epoch:
+            return None
+        for first, size, places in reversed(self._earlier_jobs):
+            if first <= epoch:
+                return size, places
         return None
 
     def _request(self, node, index, name, out_fd, origin_stat, destination):

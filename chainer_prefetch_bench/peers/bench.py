@@ -23,10 +23,22 @@ finish that epoch comparing every example with a direct read, and report
 their waits on the dead peer; afterwards no process of the run is left and
 its port is closed.
 
+``--leave`` instead runs a leave: ``--nodes`` nodes train ``--epochs``
+epochs and rank 0 writes a snapshot of the iterator; the last node leaves,
+and the others resume from that snapshot (the iterator saves which job
+trained which epochs) for one more epoch, without and then with peers.  It
+reports the bytes the mount served in that epoch, and the bytes of the
+files that only the leaving node held in the two epochs before (what must
+come from shared storage).  The epochs' lengths must be whole batches at
+both sizes (a snapshot taken inside an epoch does not resume at another
+size).
+
 Usage::
 
-    python -m chainer_prefetch_bench.peers.bench --nodes 4 --epochs 4 \\
-        --out results/peers/peers.json
+    python -m chainer_prefetch_bench.peers.bench --nodes 4 --epochs 5 \\
+        --faults stop,kill --out results/peers/peers.json
+    python -m chainer_prefetch_bench.peers.bench --n-images 2016 --nodes 3 \\
+        --epochs 3 --leave --out results/peers/leave.json
 """
 import argparse
 import concurrent.futures
@@ -69,6 +81,11 @@ def parse(argv):
     parser.add_argument('--faults', default='',
                         help='comma-separated: stop, kill')
     parser.add_argument('--fault-epoch', type=int, default=1)
+    parser.add_argument('--leave', action='store_true',
+                        help='instead of the methods: --nodes nodes train '
+                             '--epochs epochs, the last node leaves, and the '
+                             'others resume from a snapshot for one epoch, '
+                             'without and with peers')
     parser.add_argument('--peer-timeout', type=float, default=2.0)
     parser.add_argument('--timeout', type=float, default=1800)
     parser.add_argument('--out')
@@ -76,9 +93,10 @@ def parse(argv):
 
 
 def node_command(args, mount_root, dataset_dir, local_root, out, peers,
-                 fault=None):
-    """The ``mpiexec`` command line of one run."""
-    ranks = args.nodes * args.ranks_per_node
+                 fault=None, nodes=None, extra=()):
+    """The ``mpiexec`` command line of one run (``nodes``: other than
+    ``--nodes``; ``extra``: more arguments of the node program)."""
+    ranks = (nodes or args.nodes) * args.ranks_per_node
     command = [mpi_launch.mpiexec_path(), '--oversubscribe', '--bind-to',
                'none', '-n', str(ranks)]
     if fault is not None:
@@ -98,7 +116,7 @@ def node_command(args, mount_root, dataset_dir, local_root, out, peers,
         command.append('--peers')
     if fault is not None:
         command += ['--fault', fault, '--fault-epoch', str(args.fault_epoch)]
-    return command
+    return command + list(extra)
 
 
 def fill_local_directories(local_root, nodes, paths):
@@ -125,16 +143,11 @@ def run_method(args, method, mount, dataset_dir, paths):
             fill_local_directories(local_root, args.nodes, paths)
         before = mount.op_counts()
         started = time.perf_counter()
-        code, output, timed_out = mpi_launch.run(node_command(
+        ranks = launch(node_command(
             args, mount.mountpoint, dataset_dir, local_root, out,
-            method == 'peers'), args.timeout)
+            method == 'peers'), args.timeout, out)
         wall = time.perf_counter() - started
         after = mount.op_counts()
-        if code != 0 or timed_out or not os.path.exists(out):
-            raise RuntimeError('{} failed (exit {}, timed out: {}):\n{}'.format(
-                method, code, timed_out, output[-4000:]))
-        with open(out) as f:
-            ranks = json.load(f)
     finally:
         shutil.rmtree(local_root, ignore_errors=True)
     epoch_seconds = ranks[0]['epoch_seconds']
@@ -142,6 +155,47 @@ def run_method(args, method, mount, dataset_dir, paths):
             'source_bytes': after['read_bytes'] - before['read_bytes'],
             'source_opens': after['open'] - before['open'],
             'epoch_seconds': epoch_seconds, 'ranks': ranks}
+
+
+def launch(command, timeout, out):
+    """Runs one job; returns rank 0's list of the ranks' results."""
+    code, output, timed_out = mpi_launch.run(command, timeout)
+    if code != 0 or timed_out or not os.path.exists(out):
+        raise RuntimeError('the run failed (exit {}, timed out: {}):\n{}'
+                           .format(code, timed_out, output[-4000:]))
+    with open(out) as f:
+        return json.load(f)
+
+
+def run_leave(args, peers, mount, dataset_dir):
+    """``--nodes`` nodes train ``--epochs`` epochs and snapshot; the last
+    node leaves, and the others resume from the snapshot for one epoch.
+
+    Returns:
+        Its record: the bytes the mount served in each of the two jobs.
+    """
+    local_root = tempfile.mkdtemp(prefix='peers_leave_')
+    snapshot = os.path.join(local_root, 'snapshot.npz')
+    record = {'method': 'leave-peers' if peers else 'leave-no-peers',
+              'nodes': [args.nodes, args.nodes - 1]}
+    try:
+        for job, nodes, extra in (
+                ('before', args.nodes, ['--snapshot', snapshot]),
+                ('after', args.nodes - 1,
+                 ['--resume', snapshot, '--epochs', str(args.epochs + 1)])):
+            out = os.path.join(local_root, job + '.json')
+            before = mount.op_counts()
+            ranks = launch(node_command(
+                args, mount.mountpoint, dataset_dir, local_root, out, peers,
+                nodes=nodes, extra=extra), args.timeout, out)
+            after = mount.op_counts()
+            record[job] = {
+                'source_bytes': after['read_bytes'] - before['read_bytes'],
+                'epoch_seconds': ranks[0]['epoch_seconds'],
+                'first_epoch': ranks[0]['first_epoch'], 'ranks': ranks}
+    finally:
+        shutil.rmtree(local_root, ignore_errors=True)
+    return record
 
 
 def run_fault(args, fault, mount, dataset_dir):
@@ -237,7 +291,32 @@ def summary(runs, dataset_bytes):
     return {'methods': lines, 'ratios': ratios}
 
 
+def only_on_leaving_node(args, dataset_dir):
+    """Bytes of the files whose only holders in the ``lookback`` (2) epochs
+    before the leave were ranks of the leaving node: what the others must
+    read from shared storage even with peers, unless a rank still in the
+    job held them earlier or holds them now."""
+    from chainer_prefetch import ShuffleAcrossRanks
+    paths = dataset_paths(dataset_dir, dataset_dir)
+    size = args.nodes * args.ranks_per_node
+    sampler = ShuffleAcrossRanks(len(paths), 0, size, 0)
+    leaving = set(range((args.nodes - 1) * args.ranks_per_node, size))
+    total = 0
+    for index, path in enumerate(paths):
+        ranks = set(sampler.holders(index, args.epochs - 1))
+        ranks.update(sampler.holders(index, args.epochs - 2))
+        if ranks <= leaving:
+            total += os.path.getsize(path)
+    return total
+
+
 def print_report(result):
+    if result['runs']:
+        print_methods(result)
+    print_leaves_and_faults(result)
+
+
+def print_methods(result):
     print('{:<12} {:>16} {:>12} {:>12}  {}'.format(
         'method', 'source/dataset', 'epoch 1 s', 'later med s', 'epochs s'))
     for run in result['runs']:
@@ -254,6 +333,18 @@ def print_report(result):
         else:
             value = '{:.2f}'.format(value)
         print('{}: {}'.format(name, value))
+
+
+def print_leaves_and_faults(result):
+    for run in result['leave']:
+        print('{}: {} -> {} nodes; shared storage served {:.2f}x the dataset '
+              'before, {:.2f}x in the epoch after (files only the leaving '
+              'node held: {:.2f}x)'.format(
+                  run['method'], run['nodes'][0], run['nodes'][1],
+                  run['before']['source_bytes'] / result['dataset_bytes'],
+                  run['after']['source_bytes'] / result['dataset_bytes'],
+                  result['only_on_the_leaving_node_bytes']
+                  / result['dataset_bytes']))
     for fault in result['faults']:
         print('fault {}: {} examples checked, {} wrong; fallbacks {}; waits '
               'summed per rank {} s, longest {:.2f} s; peers down {}; '
@@ -282,6 +373,13 @@ def main(argv=None):
         paths = dataset_paths(dataset_dir, mount.mountpoint)
         dataset_bytes = sum(os.path.getsize(p) for p in dataset_paths(
             dataset_dir, dataset_dir))
+        leave_runs = []
+        if args.leave:
+            methods = []
+            for peers in (False, True):
+                print('running a leave, peers: {} ...'.format(peers),
+                      flush=True)
+                leave_runs.append(run_leave(args, peers, mount, dataset_dir))
         for method in methods:
             print('running {} ...'.format(method), flush=True)
             runs.append(run_method(args, method, mount, dataset_dir, paths))
@@ -293,7 +391,10 @@ def main(argv=None):
                                          else sys.argv[1:])),
               'machine': machine_description(), 'args': vars(args),
               'dataset_bytes': dataset_bytes, 'n_images': len(paths),
-              'runs': runs, 'faults': fault_runs,
+              'runs': runs, 'faults': fault_runs, 'leave': leave_runs,
+              'only_on_the_leaving_node_bytes': (
+                  only_on_leaving_node(args, dataset_dir) if args.leave
+                  else None),
               'summary': summary(runs, dataset_bytes)}
     print_report(result)
     if args.out:

@@ -40,6 +40,8 @@ def parse(argv):
     parser.add_argument('--fault', choices=('stop', 'kill'))
     parser.add_argument('--fault-epoch', type=int, default=1)
     parser.add_argument('--fault-after', type=int, default=3)
+    parser.add_argument('--snapshot', help='rank 0 saves the iterator here at the end')
+    parser.add_argument('--resume', help='every rank loads the iterator from here')
     parser.add_argument('--out', required=True, help='JSON file (per rank with --fault)')
     parser.add_argument('--seed', type=int, default=0)
     return parser.parse_args(argv)
@@ -49,6 +51,7 @@ def main(argv=None):
     args = parse(argv)
     import chainer_prefetch
     chainer_prefetch.start_loader_server()  # before MPI starts its threads
+    import chainer
     import numpy
     from chainer.datasets import LabeledImageDataset
     from mpi4py import MPI
@@ -72,6 +75,9 @@ def main(argv=None):
         n_processes=args.loaders, n_copy_threads=args.copy_threads,
         n_copy_ahead=args.copy_ahead,
         peers=peers)
+    if args.resume:
+        chainer.serializers.load_npz(args.resume, iterator)
+    first_epoch = iterator.epoch
     comm.Barrier()
     epoch_seconds, checked, wrong = [], 0, 0
     started = time.perf_counter()
@@ -101,10 +107,13 @@ def main(argv=None):
             started = now
             if args.fault is not None and epoch == args.fault_epoch:
                 break
+    if args.snapshot and comm.rank == 0:
+        chainer.serializers.save_npz(args.snapshot, iterator)
     stats = iterator.stats
     iterator.finalize()
     result = {
-        'rank': comm.rank, 'node': node, 'epoch_seconds': epoch_seconds,
+        'rank': comm.rank, 'node': node, 'first_epoch': first_epoch,
+        'epoch_seconds': epoch_seconds,
         'bytes_copied': stats['bytes_copied'],
         'files_copied': stats['files_copied'],
         'examples_from_source': stats['examples_from_source'],
