@@ -7,7 +7,8 @@ import sys
 
 from chainer_prefetch.staging.counters import Counters
 from chainer_prefetch.staging.local_directory import LocalDirectory
-from chainer_prefetch.staging.peers import PEER_COUNTERS, PeerServer, make_lookup
+from chainer_prefetch.staging.peer_transport import PeerServer
+from chainer_prefetch.staging.peers import PEER_COUNTERS, make_lookup
 from chainer_prefetch.staging.sources import PlainFile
 
 

@@ -11,11 +11,12 @@ import time
 
 import pytest
 
-from chainer_prefetch.staging import peers as peer_tier
+from chainer_prefetch.staging import peer_transport
 from chainer_prefetch.staging.counters import Counters
 from chainer_prefetch.staging.local_directory import LocalDirectory
 from chainer_prefetch.staging.local_store import LocalStore
-from chainer_prefetch.staging.peers import PEER_COUNTERS, PeerGroup, PeerServer
+from chainer_prefetch.staging.peer_transport import PeerServer
+from chainer_prefetch.staging.peers import PEER_COUNTERS, PeerGroup
 from chainer_prefetch.staging.sources import PlainFile
 from helpers import write_random_file
 
@@ -152,15 +153,15 @@ def test_a_file_that_is_not_the_examples_source_is_not_served(
     write_random_file(outside, 100)
     target = str(tmp_path / 'received')
     with open(target, 'wb') as out:
-        with pytest.raises(peer_tier.NotHeld):  # another example's file
-            peer_tier.fetch(('127.0.0.1', node.port), node.token, 0,
+        with pytest.raises(peer_transport.NotHeld):  # another example's file
+            peer_transport.fetch(('127.0.0.1', node.port), node.token, 0,
                             dataset[1], out.fileno(), os.stat(dataset[1]),
                             target, TIMEOUT)
-        with pytest.raises(peer_tier.NotHeld):  # no file of the dataset
-            peer_tier.fetch(('127.0.0.1', node.port), node.token, 0, outside,
+        with pytest.raises(peer_transport.NotHeld):  # no file of the dataset
+            peer_transport.fetch(('127.0.0.1', node.port), node.token, 0, outside,
                             out.fileno(), os.stat(outside), target, TIMEOUT)
-        with pytest.raises(peer_tier.PeerDown, match='refused'):  # no example
-            peer_tier.fetch(('127.0.0.1', node.port), node.token, 99,
+        with pytest.raises(peer_transport.NotHeld):  # no such example
+            peer_transport.fetch(('127.0.0.1', node.port), node.token, 99,
                             dataset[0], out.fileno(), os.stat(dataset[0]),
                             target, TIMEOUT)
     assert os.path.getsize(target) == 0
@@ -321,3 +322,39 @@ def test_after_a_restart_at_another_size_the_nodes_still_there_are_asked():
                       places=['h:/a', 'h:/b', 'h:/c'])
     again.resume(2, saved)
     assert again.jobs()['first_epochs'].tolist() == [0]
+
+
+def test_a_node_that_cannot_serve_fails_join_on_every_rank(tmp_path):
+    from chainer_prefetch_bench.testbed import mpi_launch
+    script = tmp_path / 'join.py'
+    script.write_text(
+        'import os, sys\n'
+        'from mpi4py import MPI\n'
+        'from chainer_prefetch import PeerGroup\n'
+        'comm = MPI.COMM_WORLD\n'
+        'local = os.path.join(sys.argv[1], "node%d" % comm.rank)\n'
+        'try:\n'
+        '    PeerGroup.join(comm, local, lambda i, e: [0])\n'
+        'except OSError as error:\n'
+        '    print("rank %d raised: %s" % (comm.rank, error), flush=True)\n')
+    env = mpi_launch.environment()
+    env['CHAINER_PREFETCH_PEER_HOST'] = '192.0.2.1'  # not this machine's
+    code, output, timed_out = mpi_launch.run(
+        [mpi_launch.mpiexec_path(), '--oversubscribe', '-n', '2',
+         sys.executable, str(script), str(tmp_path)], 120, env=env)
+    assert not timed_out and code == 0, output[-3000:]
+    for rank in (0, 1):
+        assert 'rank {} raised: node '.format(rank) in output, output[-3000:]
+    assert "cannot serve on '192.0.2.1'" in output
+
+
+def test_a_job_of_several_hosts_refuses_loopback_servers():
+    from chainer_prefetch.staging.peers import _problem
+    one_host = ['a:/x', 'a:/y']
+    two_hosts = ['a:/x', 'b:/x']
+    served = [('127.0.0.1', 5), ('127.0.0.1', 6)]
+    assert _problem(served, one_host) is None
+    assert 'loopback' in _problem(served, two_hosts)
+    assert _problem([('10.0.0.1', 5), ('10.0.0.2', 6)], two_hosts) is None
+    assert _problem(['node 1 (b:/x) cannot serve', None], two_hosts) == \
+        'node 1 (b:/x) cannot serve'

@@ -163,3 +163,88 @@ def test_another_number_of_ranks_resumes_at_an_epochs_end_only(tmp_path):
     with pytest.raises(ValueError, match='another number of ranks'):
         chainer.serializers.load_npz(saved['inside'], resumed)
     resumed.finalize()
+
+
+def test_the_iterator_counts_each_epoch_of_a_rank_by_its_own_length(tmp_path):
+    """An epoch of a rank is ceil(n / size) accesses, not len(dataset): the
+    batches that cross an epoch's end count each example in its epoch."""
+    paths = []
+    for i in range(30):
+        path = tmp_path / 'shared' / 'f{:02d}'.format(i)
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(bytes([i]) * 10)
+        paths.append(str(path))
+
+    class Files:
+        def __init__(self, paths):
+            self.paths = paths
+
+        def __len__(self):
+            return len(self.paths)
+
+        def __getitem__(self, index):
+            with open(self.paths[index], 'rb') as f:
+                return f.read()
+
+    sampler = ShuffleAcrossRanks(30, 1, 2, 3)  # 15 per epoch
+    iterator = PrefetchMultiprocessIterator(
+        Files(paths), 4, order_sampler=sampler, n_processes=1,
+        local_dir=str(tmp_path / 'local'))
+    taken = []
+    while iterator.epoch < 2:
+        taken += [batch[0] for batch in iterator.next()]
+    by_epoch = iterator.stats['by_epoch']
+    iterator.finalize()
+    for epoch in (0, 1):
+        counts = by_epoch[epoch]
+        assert counts['examples_from_local'] + counts['examples_from_source'] \
+            == 15
+    assert taken[:30] == [i for epoch in (0, 1) for i in sampler.order(epoch)]
+
+
+def test_a_snapshot_of_another_job_is_refused_by_what_fixes_its_orders(
+        tmp_path):
+    dataset = numpy.arange(20, dtype=numpy.int64)
+    path = str(tmp_path / 'snapshot.npz')
+    seven = PrefetchMultiprocessIterator(
+        dataset, 2, order_sampler=ShuffleAcrossRanks(20, 0, 7, 1),
+        n_processes=1)  # 3 examples per rank and epoch
+    seven.next()
+    chainer.serializers.save_npz(path, seven)
+    seven.finalize()
+    for sampler, message in (
+            (ShuffleAcrossRanks(20, 0, 8, 1), 'another number of ranks'),
+            (ShuffleAcrossRanks(20, 0, 7, 2), 'seed=1')):
+        other = PrefetchMultiprocessIterator(dataset, 2, order_sampler=sampler,
+                                             n_processes=1)
+        with pytest.raises(ValueError, match=message):
+            chainer.serializers.load_npz(path, other)
+        other.finalize()
+
+
+def test_a_snapshot_without_peers_loads_into_an_iterator_with_peers(tmp_path):
+    """strict=False returns None for what a snapshot lacks."""
+    import secrets
+
+    from chainer_prefetch import PeerGroup
+    files = tmp_path / 'f'
+    files.write_bytes(b'x')
+    dataset = numpy.arange(12, dtype=numpy.int64)
+    path = str(tmp_path / 'snapshot.npz')
+    plain = PrefetchMultiprocessIterator(
+        dataset, 3, order_sampler=ShuffleAcrossRanks(12, 0, 2, 1),
+        n_processes=1)
+    plain.next()
+    chainer.serializers.save_npz(path, plain)
+    plain.finalize()
+    sampler = ShuffleAcrossRanks(12, 0, 2, 1)
+    group = PeerGroup([0, 1], 0, {}, secrets.token_bytes(32), sampler.holders)
+    with_peers = PrefetchMultiprocessIterator(
+        dataset, 3, order_sampler=sampler, n_processes=1, peers=group,
+        local_dir=str(tmp_path / 'local'))
+    for strict in (True, False):
+        chainer.serializers.load_npz(path, with_peers, strict=strict)
+        assert with_peers.current_position == 3
+    assert group.jobs()['first_epochs'].tolist() == [0]
+    with_peers.finalize()
+    group.close()

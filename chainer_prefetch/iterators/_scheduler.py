@@ -414,6 +414,9 @@ class SchedulerConfig:
         batch_size, repeat, order_sampler, n_prefetch, n_copy_ahead,
         maxtasksperchild: As for the iterator.
         dataset_length: Examples in the dataset.
+        epoch_size: Accesses per epoch: the orders' length, when it is not
+            ``dataset_length`` (an order sampler that gives each rank a part
+            of the dataset, such as ``ShuffleAcrossRanks``).
         n_processes: Loader processes.
         task_slots: Load tasks the loader processes hold at once.
         staging: Whether a local directory is in use.
@@ -463,6 +466,14 @@ class SchedulerConfig:
     slow_start: bool = True
     max_bytes_ahead: Optional[int] = None
     item_bytes: Optional[Callable[[int], int]] = None
+    epoch_size: Optional[int] = None
+
+    @property
+    def accesses_per_epoch(self) -> int:
+        """How accesses are numbered: position ``p`` of epoch ``e`` is
+        access ``e * accesses_per_epoch + p``."""
+        return self.dataset_length if self.epoch_size is None else \
+            self.epoch_size
 
 
 class _Buffers:
@@ -663,7 +674,7 @@ class Scheduler:
                                  config.example_bytes)
         self._cache_epoch = -1  # the cache dropped what epochs before this left
         self._measure_next = config.example_bytes is None
-        self._future = (FutureUses(config.dataset_length, config.item_of)
+        self._future = (FutureUses(config.accesses_per_epoch, config.item_of)
                         if config.limited else None)
         self.counts = PipelineCounts()
         self._actions: List[Any] = []
@@ -891,7 +902,7 @@ class Scheduler:
         window = self._window
         while (not self._exhausted
                and self.generated - self.delivered < window.size()):
-            first_access = (self._state.epoch * config.dataset_length
+            first_access = (self._state.epoch * config.accesses_per_epoch
                             + self._state.current_position)
             try:
                 if self._next_indices is None:
@@ -934,7 +945,7 @@ class Scheduler:
             return _Batch(next(self._ids), indices, self._state, first_access)
         rows = numpy.asarray(indices, dtype=numpy.int64)
         epochs = (first_access + positions(len(rows))
-                  ) // self.config.dataset_length
+                  ) // self.config.accesses_per_epoch
         if not self.config.staging:
             keys = epochs  # one unit per epoch the batch spans
         else:
@@ -1179,7 +1190,7 @@ class Scheduler:
         return index if item_of is None else int(item_of[index])
 
     def _epoch_of(self, access: int) -> int:
-        return access // self.config.dataset_length
+        return access // self.config.accesses_per_epoch
 
     def _count_load(self, batch, position, read_from: ReadFrom,
                     source_bytes: int, source_ops=None):

@@ -265,9 +265,11 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                                  else int(item_of.max()) + 1 if len(item_of)
                                  else 0), peers)
                 if peers is not None:
-                    self._lookup = make_lookup(sources_of,
-                                               directory.local_path)
-                    peers.serve(self._lookup)
+                    if peers.server is not None and peers.server.lookup is None:
+                        # The first iterator serves (not a copy of it).
+                        self._lookup = make_lookup(sources_of,
+                                                   directory.local_path)
+                        peers.serve(self._lookup)
                     if getattr(peers.holders, '__self__', None) not in (
                             None, settings.order_sampler):
                         self._warn_staging(
@@ -405,6 +407,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             batch_size=settings.batch_size, repeat=settings.repeat,
             order_sampler=settings.order_sampler,
             dataset_length=len(settings.dataset),
+            epoch_size=self._epoch_size,
             n_processes=settings.n_processes, n_prefetch=settings.n_prefetch,
             n_copy_ahead=settings.n_copy_ahead,
             task_slots=_executor.task_slots(settings.n_processes),
@@ -611,11 +614,11 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         epoch = serializer('epoch', self.epoch)
         is_new_epoch = serializer('is_new_epoch', self.is_new_epoch)
         loading = isinstance(serializer, chainer.serializer.Deserializer)
-        order_of_epoch = getattr(self.settings.order_sampler,
-                                 'order_of_epoch', None)
+        sampler = self.settings.order_sampler
+        own_orders = hasattr(sampler, 'order_of_epoch')  # ShuffleAcrossRanks
         order = self._state.order
-        if order is not None and loading and order_of_epoch is not None:
-            order = _own_order(serializer, order_of_epoch, int(epoch),
+        if order is not None and loading and own_orders:
+            order = _own_order(serializer, sampler, int(epoch),
                                int(current_position))
         elif order is not None:
             order = order.copy()
@@ -623,6 +626,9 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                 serializer('order', order)
             except KeyError:
                 serializer('_order', order)
+            if own_orders:
+                for key, value in sampler.job().items():
+                    serializer['order_sampler'](key, value)
         next_order = self._state.next_order
         if loading:
             # Read into nothing: a state without it (a MultiprocessIterator
@@ -635,7 +641,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             next_order = serializer('next_order', next_order)
         except KeyError:
             next_order = None
-        if loading and order_of_epoch is not None:
+        if loading and own_orders:
             next_order = None  # drawn again from this rank's order
         if self.settings.peers is not None:
             _serialize_peer_jobs(serializer, self.settings.peers, loading,
@@ -755,30 +761,54 @@ def _serialize_peer_jobs(serializer, peers, loading: bool, epoch: int):
                 for key in ('first_epochs', 'sizes', 'places')}
     except KeyError:
         jobs = None  # a snapshot without peers
+    if jobs is not None and any(value is None for value in jobs.values()):
+        jobs = None  # the same, read with strict=False
     peers.resume(epoch, jobs)
 
 
-def _own_order(serializer, order_of_epoch, epoch: int, position: int):
-    """This rank's order of ``epoch`` from its sampler (``order_of_epoch``,
-    e.g. :class:`~chainer_prefetch.ShuffleAcrossRanks`), not the snapshot's:
+def _own_order(serializer, sampler, epoch: int, position: int):
+    """This rank's order of ``epoch`` from its sampler
+    (:class:`~chainer_prefetch.ShuffleAcrossRanks`), not the snapshot's:
     every rank may load the snapshot rank 0 wrote.
 
     Raises:
-        ValueError: the snapshot was taken inside an epoch of another length
-            (another number of ranks): its position means other examples.
+        ValueError: the snapshot's job drew other orders (another dataset
+            size or seed), or was taken inside an epoch of a job with
+            another number of ranks (its position means other examples).
     """
-    order = order_of_epoch(epoch)
-    try:
-        saved = serializer('order', None)
-    except KeyError:
-        saved = None
-    if saved is not None and len(saved) != len(order) and position:
+    order = sampler.order_of_epoch(epoch)
+    mine = sampler.job()
+    saved = {}
+    for key in mine:
+        try:
+            value = serializer['order_sampler'](key, None)
+        except KeyError:
+            value = None
+        if value is not None:
+            saved[key] = int(value)
+    if not saved:  # a snapshot without them: compare the orders' lengths
+        try:
+            old_order = serializer('order', None)
+        except KeyError:
+            old_order = None
+        if old_order is not None and len(old_order) != len(order):
+            saved['size'] = -1  # some other number of ranks
+    for key in ('n_examples', 'seed'):
+        if key in saved and saved[key] != mine[key]:
+            raise ValueError(
+                'the snapshot was taken with ShuffleAcrossRanks({}={}), and '
+                'this job has {}={}: its orders are other ones'.format(
+                    key, saved[key], key, mine[key]))
+    if saved.get('size', mine['size']) != mine['size'] and position:
         raise ValueError(
-            'the snapshot was taken at position {} of an epoch of {} examples '
-            'per rank, and this job has {} per rank (another number of '
-            'ranks): resume it with the same number of ranks, or from a '
-            'snapshot taken at the end of an epoch'.format(
-                position, len(saved), len(order)))
+            'the snapshot was taken at position {} of an epoch of a job of '
+            'another number of ranks ({}; this one has {}): that position '
+            'means other examples here.  Resume with the same number of '
+            'ranks, or from a snapshot at position 0 of an epoch (taken when '
+            'an epoch ended with a whole batch: batch size dividing '
+            'ceil(n_examples / ranks))'.format(
+                position, saved['size'] if saved['size'] > 0 else 'unknown',
+                mine['size']))
     return order
 
 

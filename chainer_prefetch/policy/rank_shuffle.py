@@ -37,6 +37,10 @@ import numpy
 
 #: How many epochs an order the sampler did not draw is looked up among.
 SEARCHED_EPOCHS = 1000
+#: How many epochs' places of every example :meth:`ShuffleAcrossRanks.holders`
+#: keeps (each ``8 * n_examples`` bytes): the epochs the peer tier asks about
+#: from the current and the next epoch, with two earlier epochs each.
+KEPT_EPOCHS = 4
 
 
 class ShuffleAcrossRanks:
@@ -73,7 +77,7 @@ class ShuffleAcrossRanks:
         self.length = -(-n_examples // size)
         self._epoch_of_digest: Dict[bytes, int] = {}
         self._positions: Dict[int, numpy.ndarray] = {}
-        self._positions_lock = threading.Lock()  # holders() runs on copy threads
+        self._lock = threading.Lock()  # holders() runs on copy threads
 
     def permutation(self, epoch: int) -> numpy.ndarray:
         """The job's permutation of all examples in ``epoch`` (what a single process trains on)."""
@@ -105,7 +109,8 @@ class ShuffleAcrossRanks:
                 :data:`SEARCHED_EPOCHS` epochs.
         """
         order = numpy.asarray(order)
-        known = self._epoch_of_digest.get(_digest(order))
+        with self._lock:
+            known = self._epoch_of_digest.get(_digest(order))
         if known is not None:
             return known
         if len(order) == self.n_examples and numpy.array_equal(
@@ -149,6 +154,12 @@ class ShuffleAcrossRanks:
             ranks.append((place + self.n_examples) % size)
         return ranks
 
+    def job(self) -> Dict[str, int]:
+        """``n_examples``, ``size`` and ``seed``: what fixes the orders
+        (saved in the iterator's snapshot, compared when it is restored)."""
+        return {'n_examples': self.n_examples, 'size': self.size,
+                'seed': self.seed}
+
     def order_of_epoch(self, epoch: int) -> numpy.ndarray:
         """This rank's order of ``epoch``: what an iterator restored from a
         snapshot (written by any rank) takes instead of the snapshot's order
@@ -159,32 +170,38 @@ class ShuffleAcrossRanks:
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        del state['_positions_lock']
+        del state['_lock']
         state['_positions'] = {}
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._positions_lock = threading.Lock()
+        self._lock = threading.Lock()
 
     def _remember(self, order: numpy.ndarray, epoch: int) -> None:
-        self._epoch_of_digest[_digest(order)] = epoch
-        if len(self._epoch_of_digest) > 4:  # the iterator holds two
-            oldest = min(self._epoch_of_digest, key=self._epoch_of_digest.get)
-            del self._epoch_of_digest[oldest]
+        digest = _digest(order)
+        with self._lock:
+            self._epoch_of_digest[digest] = epoch
+            if len(self._epoch_of_digest) > 4:  # the iterator holds two
+                oldest = min(self._epoch_of_digest,
+                             key=self._epoch_of_digest.get)
+                del self._epoch_of_digest[oldest]
 
     def _places(self, epoch: int) -> numpy.ndarray:
-        """Per example, its place in ``epoch``'s permutation (kept for two epochs)."""
-        with self._positions_lock:
-            places = self._positions.get(epoch)
-            if places is None:
-                places = numpy.empty(self.n_examples, numpy.int64)
-                places[self.permutation(epoch)] = numpy.arange(
-                    self.n_examples)
-                self._positions[epoch] = places
-                for old in sorted(self._positions)[:-2]:
-                    del self._positions[old]
-            return places
+        """Per example, its place in ``epoch``'s permutation (the last
+        :data:`KEPT_EPOCHS` epochs asked for are kept)."""
+        with self._lock:
+            places = self._positions.pop(epoch, None)
+            if places is not None:
+                self._positions[epoch] = places  # the most recently used
+                return places
+        places = numpy.empty(self.n_examples, numpy.int64)
+        places[self.permutation(epoch)] = numpy.arange(self.n_examples)
+        with self._lock:
+            self._positions[epoch] = places
+            while len(self._positions) > KEPT_EPOCHS:
+                del self._positions[next(iter(self._positions))]
+        return places
 
 
 def _digest(order: numpy.ndarray) -> bytes:

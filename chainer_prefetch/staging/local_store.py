@@ -176,10 +176,11 @@ class LocalStore:
         started = time.perf_counter()
         try:
             copy_from_peers = None
-            if (self.peers is not None and order_epoch is not None
-                    and self.peers.candidates(item, order_epoch)):
-                copy_from_peers = functools.partial(
-                    self.peers.copy, index=item, epoch=order_epoch)
+            if self.peers is not None and order_epoch is not None:
+                nodes = self.peers.candidates(item, order_epoch)
+                if nodes:
+                    copy_from_peers = functools.partial(
+                        self.peers.copy, index=item, nodes=nodes)
             result = self._stage(item, sources, now, epoch, copy_from_peers)
             if self.checks is not None:
                 if result.staged:
@@ -314,7 +315,7 @@ class LocalStore:
         except CopyLockTimeout:
             self.counters.add(files_lock_timeouts=1)
             return None
-        if written and getattr(source, 'from_peer', 0):
+        if getattr(source, 'from_peer', None) is not None:  # (stats['peers'])
             self.counters.add(local_bytes_written=written)
         elif written:
             self.counters.add(files_copied=1,
@@ -409,7 +410,7 @@ def _bytes_read(source: Source, origin_stat: Optional[os.stat_result],
     """Bytes of shared storage a copy that wrote ``written`` bytes read
     (``origin_stat`` ``None``: a plain copy, as many as it wrote; none
     when it came from a peer)."""
-    if not written or getattr(source, 'from_peer', 0):
+    if not written or getattr(source, 'from_peer', None) is not None:
         return 0
     return written if origin_stat is None else source.source_bytes(origin_stat)
 

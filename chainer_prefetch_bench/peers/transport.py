@@ -7,7 +7,7 @@ local directory three ways, one after the other in one run:
 ``local``     ``sendfile`` from file to file in one process (the bound);
 ``tcp``       :meth:`chainer_prefetch.PeerGroup.copy` (what stage 2
               calls; connections kept between files) from a
-              :class:`~chainer_prefetch.staging.peers.PeerServer` in another
+              :class:`~chainer_prefetch.staging.peer_transport.PeerServer` in another
               process, with 1 and with 8 threads;
 ``mpi``       ``mpiexec -n 2``: rank 1 reads each file and ``Send`` s it,
               rank 0 ``Recv`` s it into a buffer and writes it (one thread,
@@ -31,7 +31,8 @@ import tempfile
 import time
 
 from chainer_prefetch.staging.counters import Counters
-from chainer_prefetch.staging.peers import PEER_COUNTERS, PeerGroup, PeerServer
+from chainer_prefetch.staging.peer_transport import PeerServer
+from chainer_prefetch.staging.peers import PEER_COUNTERS, PeerGroup
 from chainer_prefetch.staging.sources import PlainFile
 from chainer_prefetch_bench.testbed import mpi_launch
 from chainer_prefetch_bench.testbed.machine import machine_description
@@ -99,7 +100,7 @@ def copy_tcp(port, token, items, target, threads):
         item, path = item_path
         with open(os.path.join(target, os.path.basename(path)), 'wb') as out:
             if group.copy(PlainFile(path), os.stat(path), out.fileno(),
-                          out.name, item, 1) is None:
+                          out.name, item, [1]) is None:
                 raise RuntimeError('the peer did not send ' + path)
     try:
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:

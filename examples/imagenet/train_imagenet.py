@@ -584,11 +584,16 @@ def main(argv=None):
         chainer.serializers.load_npz(args.resume, trainer)
 
     # Trainer.run finalizes the updater's and the evaluator's iterators.
-    trainer.run()
-    if peers is not None:
-        report_peers(comm, staging_iter.stats)
-        comm.mpi_comm.Barrier()  # nobody stops serving while another asks
-        peers.close()
+    try:
+        trainer.run()
+        if peers is not None:
+            report_peers(comm, staging_iter.stats)
+            # Every rank has finished: no copy thread of another finds this
+            # node gone and marks it down.
+            comm.mpi_comm.Barrier()
+    finally:
+        if peers is not None:
+            peers.close()
 
 
 def report_peers(comm, stats):
