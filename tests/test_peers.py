@@ -358,3 +358,15 @@ def test_a_job_of_several_hosts_refuses_loopback_servers():
     assert _problem([('10.0.0.1', 5), ('10.0.0.2', 6)], two_hosts) is None
     assert _problem(['node 1 (b:/x) cannot serve', None], two_hosts) == \
         'node 1 (b:/x) cannot serve'
+
+
+def test_a_node_serves_on_the_address_of_the_interface_named(monkeypatch):
+    from chainer_prefetch.staging.peers import _default_host
+    monkeypatch.delenv('CHAINER_PREFETCH_PEER_HOST', raising=False)
+    assert _default_host('lo') == '127.0.0.1'
+    monkeypatch.setenv('CHAINER_PREFETCH_PEER_INTERFACE', 'lo')
+    assert _default_host(None) == '127.0.0.1'
+    with pytest.raises(OSError, match="interface 'no-such-if0'"):
+        _default_host('no-such-if0')
+    monkeypatch.setenv('CHAINER_PREFETCH_PEER_HOST', '10.1.2.3')
+    assert _default_host('lo') == '10.1.2.3'

@@ -38,10 +38,12 @@ only the copies of the files the dataset names for the example asked
 rank 0 and sent to the ranks over the job's communicator when the group is
 made).
 """
+import fcntl
 import ipaddress
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
 import warnings
@@ -71,6 +73,7 @@ PEER_COUNTERS = ('files_from_peers', 'bytes_from_peers', 'peer_fallbacks',
                  'peer_requests_refused')
 #: Connections to one node kept open between requests, at most.
 KEPT_CONNECTIONS = 8
+_SIOCGIFADDR = 0x8915  # Linux: an interface's address
 
 
 class PeerCopy(Source):
@@ -168,7 +171,8 @@ class PeerGroup:
     @classmethod
     def join(cls, comm, local_dir: str, holders: Callable[..., Sequence[int]],
              host: Optional[str] = None, timeout: float = 10.0,
-             lookback: int = 2) -> 'PeerGroup':
+             lookback: int = 2, interface: Optional[str] = None
+             ) -> 'PeerGroup':
         """Makes the group on every rank of ``comm`` (a collective call).
 
         Args:
@@ -178,9 +182,14 @@ class PeerGroup:
             holders: As for the constructor (``sampler.holders``).
             host: The address this node's server listens on and the others
                 connect to (default: ``$CHAINER_PREFETCH_PEER_HOST``, else
-                what this host's name resolves to).
+                the address of ``interface``, else what this host's name
+                resolves to).
             timeout: Seconds of one bounded wait on a peer.
             lookback: Earlier epochs whose holders are asked.
+            interface: A network interface (``ib0``, ``eth0``) whose IPv4
+                address each node serves on (default:
+                ``$CHAINER_PREFETCH_PEER_INTERFACE``): one name for every
+                node of a job script.
 
         Raises:
             OSError: a node's server could not listen (on every rank, naming
@@ -202,8 +211,7 @@ class PeerGroup:
         server, answer = None, None
         if comm.rank == node_of_rank.index(nodes[place]):
             try:
-                host = host or os.environ.get('CHAINER_PREFETCH_PEER_HOST') \
-                    or socket.gethostbyname(socket.gethostname())
+                host = host or _default_host(interface)
                 server = PeerServer(host, token, timeout, counters)
                 answer = server.address
             except OSError as error:
@@ -386,6 +394,28 @@ class PeerGroup:
             self._connections.give_back(node, connection)
             return copied
         raise AssertionError('unreachable')
+
+
+def _default_host(interface: Optional[str]) -> str:
+    """The address a node serves on when ``join`` is given no ``host``.
+
+    Raises:
+        OSError: the interface has no IPv4 address (or does not exist).
+    """
+    host = os.environ.get('CHAINER_PREFETCH_PEER_HOST')
+    if host:
+        return host
+    interface = interface or os.environ.get('CHAINER_PREFETCH_PEER_INTERFACE')
+    if not interface:
+        return socket.gethostbyname(socket.gethostname())
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        request = struct.pack('256s', interface.encode()[:15])
+        try:
+            answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
+        except OSError as error:
+            raise OSError(error.errno, 'network interface {!r}: {}'.format(
+                interface, error.strerror)) from error
+    return socket.inet_ntoa(answer[20:24])
 
 
 def _job_of(epoch: int, start: int, earlier_jobs

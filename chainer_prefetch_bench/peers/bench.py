@@ -267,11 +267,18 @@ def summary(runs, dataset_bytes):
     lines = {}
     for method, run in by_method.items():
         later = run['epoch_seconds'][1:]
+        cpu = [rank['later_cpu'] for rank in run['ranks']]
         lines[method] = {
             'source_bytes_per_dataset': run['source_bytes'] / dataset_bytes,
             'first_epoch_seconds': run['epoch_seconds'][0],
             'later_epoch_median_seconds': (statistics.median(later)
-                                           if later else None)}
+                                           if later else None),
+            # Every rank's processes, summed: the training processes (copy
+            # threads, peer servers) and the loaders.
+            'later_cpu_seconds': (None if None in cpu else sum(
+                c['root']['cpu_s'] + c['others']['cpu_s'] for c in cpu)),
+            'later_training_process_cpu_seconds': (None if None in cpu else sum(
+                c['root']['cpu_s'] for c in cpu))}
     ratios = {}
     if 'peers' in lines and 'warm-local' in lines:
         peers_later = by_method['peers']['epoch_seconds'][1:]
@@ -281,6 +288,11 @@ def summary(runs, dataset_bytes):
         ratios['peers_later_median_over_warm_local_median'] = (
             lines['peers']['later_epoch_median_seconds']
             / lines['warm-local']['later_epoch_median_seconds'])
+        if lines['peers']['later_cpu_seconds'] and \
+                lines['warm-local']['later_cpu_seconds']:
+            ratios['peers_later_cpu_over_warm_local'] = (
+                lines['peers']['later_cpu_seconds']
+                / lines['warm-local']['later_cpu_seconds'])
     if 'peers' in lines and 'no-peers' in lines:
         ratios['peers_first_epoch_over_no_peers'] = (
             lines['peers']['first_epoch_seconds']
@@ -317,15 +329,18 @@ def print_report(result):
 
 
 def print_methods(result):
-    print('{:<12} {:>16} {:>12} {:>12}  {}'.format(
-        'method', 'source/dataset', 'epoch 1 s', 'later med s', 'epochs s'))
+    print('{:<12} {:>15} {:>10} {:>12} {:>12} {:>12}  {}'.format(
+        'method', 'source/dataset', 'epoch 1 s', 'later med s',
+        'later CPU s', 'training CPU', 'epochs s'))
     for run in result['runs']:
         line = result['summary']['methods'][run['method']]
         later = line['later_epoch_median_seconds']
-        print('{:<12} {:>16.2f} {:>12.1f} {:>12} {}'.format(
+        print('{:<12} {:>15.2f} {:>10.1f} {:>12} {:>12} {:>12}  {}'.format(
             run['method'], line['source_bytes_per_dataset'],
             line['first_epoch_seconds'],
             '-' if later is None else '{:.1f}'.format(later),
+            _seconds(line['later_cpu_seconds']),
+            _seconds(line['later_training_process_cpu_seconds']),
             ' '.join('{:.1f}'.format(s) for s in run['epoch_seconds'])))
     for name, value in result['summary']['ratios'].items():
         if isinstance(value, list):
@@ -333,6 +348,10 @@ def print_methods(result):
         else:
             value = '{:.2f}'.format(value)
         print('{}: {}'.format(name, value))
+
+
+def _seconds(value):
+    return '-' if value is None else '{:.1f}'.format(value)
 
 
 def print_leaves_and_faults(result):

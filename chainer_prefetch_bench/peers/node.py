@@ -56,6 +56,8 @@ def main(argv=None):
     from chainer.datasets import LabeledImageDataset
     from mpi4py import MPI
 
+    from chainer_prefetch_bench.minibatch.counters import tree_change, tree_counters
+
     comm = MPI.COMM_WORLD
     node = comm.rank // args.ranks_per_node
     local_dir = os.path.join(args.local_root, 'node{}'.format(node))
@@ -79,7 +81,7 @@ def main(argv=None):
         chainer.serializers.load_npz(args.resume, iterator)
     first_epoch = iterator.epoch
     comm.Barrier()
-    epoch_seconds, checked, wrong = [], 0, 0
+    epoch_seconds, checked, wrong, looks = [], 0, 0, []
     started = time.perf_counter()
     while iterator.epoch < args.epochs:
         epoch = iterator.epoch
@@ -104,7 +106,9 @@ def main(argv=None):
                 comm.Barrier()
             now = time.perf_counter()
             epoch_seconds.append(now - started)
-            started = now
+            if args.fault is None and len(epoch_seconds) in (1, args.epochs):
+                looks.append(tree_counters(os.getpid()))  # CPU after epoch 1
+            started = time.perf_counter()
             if args.fault is not None and epoch == args.fault_epoch:
                 break
     if args.snapshot and comm.rank == 0:
@@ -114,6 +118,10 @@ def main(argv=None):
     result = {
         'rank': comm.rank, 'node': node, 'first_epoch': first_epoch,
         'epoch_seconds': epoch_seconds,
+        # CPU of this rank's processes (training process with its copy
+        # threads and peer server; loaders) in the epochs after the first.
+        'later_cpu': (tree_change(looks[0], looks[-1], os.getpid())
+                      if len(looks) == 2 else None),
         'bytes_copied': stats['bytes_copied'],
         'files_copied': stats['files_copied'],
         'examples_from_source': stats['examples_from_source'],
