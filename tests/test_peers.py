@@ -370,3 +370,82 @@ def test_a_node_serves_on_the_address_of_the_interface_named(monkeypatch):
         _default_host('no-such-if0')
     monkeypatch.setenv('CHAINER_PREFETCH_PEER_HOST', '10.1.2.3')
     assert _default_host('lo') == '10.1.2.3'
+
+
+class OpensByName:
+    """A user's dataset that builds each path in ``get_example``."""
+
+    def __init__(self, root, n):
+        self.root, self.n = root, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        with open(os.path.join(self.root, 'f{}.bin'.format(index)), 'rb') as f:
+            return f.read()
+
+
+def test_files_learned_in_the_first_epoch_are_not_asked_of_peers(
+        tmp_path, dataset):
+    import warnings
+
+    from chainer_prefetch import PrefetchMultiprocessIterator, ShuffleAcrossRanks, StagingWarning
+    files = OpensByName(os.path.dirname(dataset[0]), len(dataset))
+    sampler = ShuffleAcrossRanks(len(files), 0, 1, 0)
+    group = PeerGroup([0], 0, {}, secrets.token_bytes(32), sampler.holders)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        iterator = PrefetchMultiprocessIterator(
+            files, 2, order_sampler=sampler, peers=group, n_processes=1,
+            local_dir=str(tmp_path / 'local'))
+        taken = [example for _ in range(5) for example in iterator.next()]
+    assert any('names no files per example, so no peer is asked'
+               in str(w.message) for w in caught
+               if issubclass(w.category, StagingWarning))
+    assert taken == [source_bytes(dataset[i])
+                     for epoch in (0, 1) for i in sampler.order(epoch)]
+    stats = iterator.stats
+    iterator.finalize()
+    assert stats['peers']['files_from_peers'] == 0
+    assert stats['by_epoch'][1]['examples_from_local'] > 0  # learned, staged
+    group.close()
+
+
+def test_a_peer_that_sends_too_slowly_costs_the_file_but_stays_up(
+        tmp_path, dataset):
+    path = dataset[4]  # 1 MiB: its deadline is TIMEOUT + 1 s
+    info = os.stat(path)
+    listener = socket.create_server(('127.0.0.1', 0))
+    stop = threading.Event()
+
+    def trickle():
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(4096)
+            connection.sendall(struct.pack('<Bqq', 0, info.st_size,
+                                           info.st_mtime_ns))
+            while not stop.wait(0.3):
+                try:
+                    connection.sendall(b'\0' * 1024)
+                except OSError:
+                    return
+
+    thread = threading.Thread(target=trickle)
+    thread.start()
+    group = PeerGroup([0, 1], 0, {1: listener.getsockname()},
+                      secrets.token_bytes(32), lambda index, epoch: [1],
+                      timeout=TIMEOUT)
+    store = LocalStore(LocalDirectory(str(tmp_path / 'client_local')),
+                       peers=group)
+    try:
+        result = stage(store, dataset, 4)
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+    assert result.staged and local_bytes(store, path) == source_bytes(path)
+    counts = group.stats()
+    assert counts['peers_down'] == {} and counts['peer_fallbacks'] == 1
+    assert counts['peer_longest_wait_seconds'] < TIMEOUT + 1 + 10
+    store.close()

@@ -245,10 +245,11 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
         self._warn_about_samples(paths)
         self._stage(files, item_of, root, stacklevel=5)
 
-    def _stage(self, files, item_of, root, stacklevel):
+    def _stage(self, files, item_of, root, stacklevel, learned=False):
         """Sets up stage 2 for ``files`` (a store, the located view and the
         loaders' check); warns and leaves staging off if the local side
-        cannot be used."""
+        cannot be used.  ``learned``: files learned in the first epoch,
+        which peers are not asked for (as the warning at set-up said)."""
         settings = self.settings
         try:
             directory = (LocalMemory(self._stop_event)
@@ -256,7 +257,8 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                          else LocalDirectory(settings.local_dir, self._stop_event))
             sources_of = ItemSources(files, item_of)
             try:
-                peers = settings.peers if item_of is None else None
+                peers = (settings.peers if item_of is None and not learned
+                         else None)
                 self._store = LocalStore(
                     directory, settings.local_capacity,
                     settings.eviction_policy, sources_of,
@@ -282,7 +284,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
                             'sampler.holders) of the sampler given as '
                             'order_sampler (docs/peers.rst)',
                             stacklevel=stacklevel + 1)
-                elif settings.peers is not None:
+                elif settings.peers is not None and not learned:
                     self._warn_staging(
                         '{}: several examples share files, so no peer is '
                         'asked for them (peers copy the files of one example '
@@ -326,7 +328,7 @@ class PrefetchMultiprocessIterator(iterator.Iterator):
             return
         self._retire_pipeline()
         self._stop_event = threading.Event()  # (the old one stopped it)
-        self._stage(files, None, root, stacklevel=4)
+        self._stage(files, None, root, stacklevel=4, learned=True)
 
     def _retire_pipeline(self):
         """Stops the running pipeline, keeping its counters for ``stats``."""

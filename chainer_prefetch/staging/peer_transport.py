@@ -20,6 +20,7 @@ connect and for each part of the reply, and for the whole file at most
 a request ``timeout`` to arrive whole, and closes a connection idle for
 :data:`IDLE_SECONDS`.
 """
+import contextlib
 import hmac
 import os
 import socket
@@ -299,8 +300,8 @@ def receive_exactly(connection: socket.socket, n_bytes: int,
     """``n_bytes`` from ``connection`` by ``deadline`` (``PeerDown`` if it ends first)."""
     data = bytearray()
     while len(data) < n_bytes:
-        _bound(connection, deadline, timeout)
-        piece = connection.recv(n_bytes - len(data))
+        with _bounded(connection, deadline, timeout):
+            piece = connection.recv(n_bytes - len(data))
         if not piece:
             raise PeerDown('connection closed after {} of {} bytes'.format(
                 len(data), n_bytes))
@@ -313,8 +314,8 @@ def _receive_into(connection, out_fd, size, deadline, timeout, destination):
     view = memoryview(buffer)
     received = 0
     while received < size:
-        _bound(connection, deadline, timeout)
-        n = connection.recv_into(buffer, min(len(buffer), size - received))
+        with _bounded(connection, deadline, timeout):
+            n = connection.recv_into(buffer, min(len(buffer), size - received))
         if n == 0:
             raise PeerDown('connection closed after {} of {} bytes'.format(
                 received, size))
@@ -327,9 +328,21 @@ def _receive_into(connection, out_fd, size, deadline, timeout, destination):
         received += n
 
 
-def _bound(connection, deadline, timeout):
-    """Sets the wait of the next call: ``timeout``, and never past ``deadline``."""
+@contextlib.contextmanager
+def _bounded(connection, deadline, timeout):
+    """Waits in the block for ``timeout`` at most, and never past ``deadline``.
+
+    Raises:
+        TooSlow: the deadline passed (the peer was sending, but slowly).
+    """
     left = deadline - time.monotonic()
     if left <= 0:
         raise TooSlow('not all of the reply within the deadline')
     connection.settimeout(min(timeout, left))
+    try:
+        yield
+    except TimeoutError as error:
+        if left < timeout:  # the deadline, not the peer's silence, ended it
+            raise TooSlow('not all of the reply within the deadline') \
+                from error
+        raise

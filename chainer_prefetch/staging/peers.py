@@ -215,8 +215,9 @@ class PeerGroup:
                 server = PeerServer(host, token, timeout, counters)
                 answer = server.address
             except OSError as error:
-                answer = 'node {} ({}) cannot serve on {!r}: {}'.format(
-                    nodes[place], place, host, error)
+                answer = 'node {} ({}) cannot serve on {}: {}'.format(
+                    nodes[place], place, repr(host) if host else
+                    'the address of its network interface', error)
         answers = comm.allgather(answer)
         problem = _problem(answers, places)
         if problem is not None:

@@ -19,7 +19,8 @@ the dataset's size), every epoch's time, and what the iterators counted.
 ``--faults stop,kill`` then runs the peer tier without lockstep while the
 first rank of node 1 (its server) stops itself (``SIGSTOP``) or is killed
 (``SIGKILL``) a few batches into epoch ``--fault-epoch``: the other ranks
-finish that epoch comparing every example with a direct read, and report
+finish that epoch comparing its examples with direct reads (all but those
+of the batches that cross an epoch's boundary), and report
 their waits on the dead peer; afterwards no process of the run is left and
 its port is closed.
 

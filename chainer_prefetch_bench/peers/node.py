@@ -11,8 +11,9 @@ With ``--fault stop`` or ``--fault kill`` the ranks do not run in lockstep
 (a stopped or killed member would stop the others' collectives): the first
 rank of node 1, which serves node 1's copies, stops or kills itself after
 ``--fault-after`` batches of epoch ``--fault-epoch``, and every other rank
-finishes that epoch, compares each example with a direct read of the
-source, and writes its own result.
+finishes that epoch, compares its examples with direct reads of the
+source (all but those of the batches that cross an epoch's boundary), and
+writes its own result.
 """
 import argparse
 import glob
