@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Callable, Optional, Tuple
 
-from chainer_prefetch.errors import LocalStorageError
+from chainer_prefetch.errors import ChainerPrefetchError, LocalStorageError
 from chainer_prefetch.staging.counters import Counters
 from chainer_prefetch.staging.sources import local_error
 
@@ -53,9 +53,10 @@ MIN_BYTES_PER_SECOND = 1 << 20
 Lookup = Callable[[int, str], Optional[str]]
 
 
-class PeerDown(Exception):
+class PeerDown(ChainerPrefetchError):
     """The peer did not answer in time, refused the connection or the
-    request, or broke the connection."""
+    request, or broke the connection (stage 2 reads the source then; it
+    does not reach the user)."""
 
 
 class Closed(PeerDown):
@@ -67,8 +68,9 @@ class TooSlow(PeerDown):
     """The peer sent, but not the whole file by its deadline."""
 
 
-class NotHeld(Exception):
-    """The peer answered at once that it has no current copy."""
+class NotHeld(ChainerPrefetchError):
+    """The peer answered at once that it has no current copy (stage 2 asks
+    the next peer or reads the source; it does not reach the user)."""
 
 
 class PeerServer:
