@@ -130,6 +130,20 @@ class FailingDataset:
         return numpy.full((3,), i, dtype=numpy.float32)
 
 
+class FileBytes:
+    """A user's dataset: a list of paths, each example a file's bytes."""
+
+    def __init__(self, paths):
+        self.paths = list(paths)
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        with open(self.paths[index], 'rb') as f:
+            return f.read()
+
+
 def run_mpi(command, cwd, timeout):
     """Runs an MPI command line (see testbed/mpi_launch.py); returns its output.
 

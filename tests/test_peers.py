@@ -1,4 +1,5 @@
 """The peer tier with real processes and sockets: copies from a peer, and each way a peer fails."""
+import contextlib
 import os
 import secrets
 import signal
@@ -18,7 +19,7 @@ from chainer_prefetch.staging.local_store import LocalStore
 from chainer_prefetch.staging.peer_transport import PeerServer
 from chainer_prefetch.staging.peers import PEER_COUNTERS, PeerGroup
 from chainer_prefetch.staging.sources import PlainFile
-from helpers import write_random_file
+from helpers import FileBytes, write_random_file
 
 NODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'peer_node.py')
 TIMEOUT = 1.0
@@ -63,20 +64,6 @@ def node(tmp_path, dataset):
     started.token = token
     yield started
     started.stop()
-
-
-class FileBytes:
-    """A user's dataset: a list of paths, each example a file's bytes."""
-
-    def __init__(self, paths):
-        self.paths = list(paths)
-
-    def __len__(self):
-        return len(self.paths)
-
-    def __getitem__(self, index):
-        with open(self.paths[index], 'rb') as f:
-            return f.read()
 
 
 def client(tmp_path, node, token=None):
@@ -215,36 +202,53 @@ def test_a_dead_or_closed_peer_is_a_refused_connection_at_once(
     store.close()
 
 
-def test_a_peer_that_breaks_off_mid_file_leaves_no_byte_of_it(
-        tmp_path, dataset):
-    """A peer that announces the right size and mtime and sends half."""
-    path = dataset[4]
+@contextlib.contextmanager
+def fake_peer(tmp_path, path, send_body):
+    """A peer that answers one request for ``path`` with the right size and
+    modification time, then ``send_body(connection, stop)``; yields the
+    client's group and store."""
     info = os.stat(path)
     listener = socket.create_server(('127.0.0.1', 0))
+    stop = threading.Event()
 
-    def half_then_close():
+    def answer():
         connection, _ = listener.accept()
         with connection:
             connection.recv(4096)
-            connection.sendall(struct.pack('<BqQ', 0, info.st_size,
+            connection.sendall(struct.pack('<Bqq', 0, info.st_size,
                                            info.st_mtime_ns))
-            connection.sendall(b'\0' * (info.st_size // 2))
+            send_body(connection, stop)
 
-    thread = threading.Thread(target=half_then_close)
+    thread = threading.Thread(target=answer)
     thread.start()
     group = PeerGroup([0, 1], 0, {1: listener.getsockname()},
                       secrets.token_bytes(32), lambda index, epoch: [1],
                       timeout=TIMEOUT)
     store = LocalStore(LocalDirectory(str(tmp_path / 'client_local')),
                        peers=group)
-    result = stage(store, dataset, 4)
-    thread.join()
-    listener.close()
-    assert result.staged and result.bytes_read == info.st_size
-    assert local_bytes(store, path) == source_bytes(path)
-    assert group.stats()['peers_down'].keys() == {1}
-    assert os.listdir(store.directory.partial_root) == []
-    store.close()
+    try:
+        yield group, store
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+        store.close()
+
+
+def test_a_peer_that_breaks_off_mid_file_leaves_no_byte_of_it(
+        tmp_path, dataset):
+    """A peer that announces the right size and mtime and sends half."""
+    path = dataset[4]
+
+    def half(connection, stop):
+        connection.sendall(b'\0' * (os.path.getsize(path) // 2))
+
+    with fake_peer(tmp_path, path, half) as (group, store):
+        result = stage(store, dataset, 4)
+        assert result.staged and result.bytes_read == os.path.getsize(path)
+        assert local_bytes(store, path) == source_bytes(path)
+        assert group.stats()['peers_down'].keys() == {1}
+        assert os.listdir(store.directory.partial_root) == []
 
 
 def test_closing_a_server_leaves_no_thread_and_no_port(tmp_path, dataset):
@@ -415,37 +419,18 @@ def test_files_learned_in_the_first_epoch_are_not_asked_of_peers(
 def test_a_peer_that_sends_too_slowly_costs_the_file_but_stays_up(
         tmp_path, dataset):
     path = dataset[4]  # 1 MiB: its deadline is TIMEOUT + 1 s
-    info = os.stat(path)
-    listener = socket.create_server(('127.0.0.1', 0))
-    stop = threading.Event()
 
-    def trickle():
-        connection, _ = listener.accept()
-        with connection:
-            connection.recv(4096)
-            connection.sendall(struct.pack('<Bqq', 0, info.st_size,
-                                           info.st_mtime_ns))
-            while not stop.wait(0.3):
-                try:
-                    connection.sendall(b'\0' * 1024)
-                except OSError:
-                    return
+    def trickle(connection, stop):
+        while not stop.wait(0.3):
+            try:
+                connection.sendall(b'\0' * 1024)
+            except OSError:
+                return
 
-    thread = threading.Thread(target=trickle)
-    thread.start()
-    group = PeerGroup([0, 1], 0, {1: listener.getsockname()},
-                      secrets.token_bytes(32), lambda index, epoch: [1],
-                      timeout=TIMEOUT)
-    store = LocalStore(LocalDirectory(str(tmp_path / 'client_local')),
-                       peers=group)
-    try:
+    with fake_peer(tmp_path, path, trickle) as (group, store):
         result = stage(store, dataset, 4)
-    finally:
-        stop.set()
-        thread.join()
-        listener.close()
-    assert result.staged and local_bytes(store, path) == source_bytes(path)
-    counts = group.stats()
-    assert counts['peers_down'] == {} and counts['peer_fallbacks'] == 1
-    assert counts['peer_longest_wait_seconds'] < TIMEOUT + 1 + 10
-    store.close()
+        assert result.staged and local_bytes(store, path) == \
+            source_bytes(path)
+        counts = group.stats()
+        assert counts['peers_down'] == {} and counts['peer_fallbacks'] == 1
+        assert counts['peer_longest_wait_seconds'] < TIMEOUT + 1 + 10

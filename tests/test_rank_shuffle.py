@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chainer_prefetch import PrefetchMultiprocessIterator, ShuffleAcrossRanks
+from helpers import FileBytes
 
 
 def job_orders(n, size, seed, epoch):
@@ -175,20 +176,9 @@ def test_the_iterator_counts_each_epoch_of_a_rank_by_its_own_length(tmp_path):
         path.write_bytes(bytes([i]) * 10)
         paths.append(str(path))
 
-    class Files:
-        def __init__(self, paths):
-            self.paths = paths
-
-        def __len__(self):
-            return len(self.paths)
-
-        def __getitem__(self, index):
-            with open(self.paths[index], 'rb') as f:
-                return f.read()
-
     sampler = ShuffleAcrossRanks(30, 1, 2, 3)  # 15 per epoch
     iterator = PrefetchMultiprocessIterator(
-        Files(paths), 4, order_sampler=sampler, n_processes=1,
+        FileBytes(paths), 4, order_sampler=sampler, n_processes=1,
         local_dir=str(tmp_path / 'local'))
     taken = []
     while iterator.epoch < 2:
