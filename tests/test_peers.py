@@ -434,3 +434,23 @@ def test_a_peer_that_sends_too_slowly_costs_the_file_but_stays_up(
         counts = group.stats()
         assert counts['peers_down'] == {} and counts['peer_fallbacks'] == 1
         assert counts['peer_longest_wait_seconds'] < TIMEOUT + 1 + 10
+
+
+def test_a_full_local_disk_while_receiving_stops_staging_not_the_peer(
+        tmp_path, dataset, node):
+    import helpers
+    mount = tmp_path / 'small_disk'
+    with helpers.tmpfs(mount, '512k') as mounted:
+        if not mounted:
+            pytest.skip('cannot mount a tmpfs here (mount needs root)')
+        group = PeerGroup([0, 1], 0, {1: ('127.0.0.1', node.port)},
+                          node.token, lambda index, epoch: [1],
+                          timeout=TIMEOUT)
+        store = LocalStore(LocalDirectory(str(mount / 'local')), peers=group)
+        result = stage(store, dataset, 4)  # 1 MiB into 512 KiB
+        assert not result.staged
+        assert 'No space left' in store.disabled, store.disabled
+        assert group.stats()['peers_down'] == {}  # the local side failed
+        assert os.listdir(store.directory.partial_root) == []
+        assert not os.path.exists(store.directory.local_path(dataset[4]))
+        store.close()
